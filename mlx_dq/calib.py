@@ -1,0 +1,158 @@
+"""Calibration and evaluation text, and fixed-length token rows sampled from it.
+
+Sources and licences:
+
+- Default calibration text: the ``calib_*.txt`` files in ``mlx_dq/data/``,
+  written for this project and released with it under its MIT licence. They
+  mix prose, source code in several languages, worked math, chat dialogue,
+  lists and tables, logs and configuration, and text in several languages.
+  ``calib_generated.txt`` is composed deterministically by
+  ``mlx_dq/data/compose_calibration.py`` from templates and word lists in
+  that script; the other files are hand-written.
+- Default evaluation text: the Python language reference and library topics
+  shipped with every CPython installation as ``pydoc_data.topics`` (PSF
+  License 2.0, the Python Software Foundation's own documentation). It is
+  on disk wherever Python is, so evaluation works offline, and it shares no
+  text with the calibration files, so evaluation rows never overlap
+  calibration rows. Its exact content follows the Python version: compare
+  perplexities computed under the same interpreter (``text_digest`` tells
+  texts apart).
+- User text: ``load_texts`` reads a ``.txt`` file, a ``.jsonl`` file (one
+  JSON object per line with a ``"text"`` or ``"content"`` field) or a folder
+  of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+JSONL_FIELDS = ("text", "content")
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    texts = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if isinstance(record, str):
+                texts.append(record)
+                continue
+            field = next((k for k in JSONL_FIELDS if isinstance(record, dict) and k in record), None)
+            if field is None or not isinstance(record[field], str):
+                raise ValueError(f'{path}:{lineno}: expected an object with a "text" or "content" string field')
+            texts.append(record[field])
+    return texts
+
+
+def _read_file(path: Path) -> list[str]:
+    if path.suffix == ".jsonl":
+        return _read_jsonl(path)
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    raise ValueError(f"unsupported text file {path}: expected .txt or .jsonl")
+
+
+def load_texts(path: str | Path) -> list[str]:
+    """Read texts from a .txt file, a .jsonl file or a folder of them (recursively, sorted).
+
+    Raises ValueError naming the path when it is missing, of another type, or holds no text.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"text path does not exist: {p}")
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"folder {p} holds no .txt or .jsonl files")
+        texts = [t for f in files for t in _read_file(f)]
+    else:
+        texts = _read_file(p)
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"no text in {p}: it is empty")
+    return texts
+
+
+def default_calibration_texts() -> list[str]:
+    """The bundled calibration set (project-written mixed text), one string per file, in a fixed order."""
+    data = resources.files("mlx_dq") / "data"
+    names = sorted(f.name for f in data.iterdir() if f.name.startswith("calib_") and f.name.endswith(".txt"))
+    if not names:
+        raise ValueError(f"bundled calibration text is missing from {data}")
+    return [(data / n).read_text(encoding="utf-8") for n in names]
+
+
+def default_eval_texts() -> list[str]:
+    """The default evaluation text: CPython's ``pydoc_data.topics`` documentation, one string per topic.
+
+    It is disjoint from the calibration set, so evaluation never scores calibration rows.
+    """
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some stripped Python builds drop pydoc_data
+        raise ValueError(
+            "default evaluation text needs the standard library's pydoc_data module, "
+            "which this Python lacks; pass an evaluation text file instead"
+        ) from None
+    return [topics[k] for k in sorted(topics)]
+
+
+def text_digest(texts: Sequence[str]) -> str:
+    """A short SHA-256 digest of a list of texts, to record which text rows came from."""
+    h = hashlib.sha256()
+    for t in texts:
+        data = t.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # tokenizers whose encode takes only the text
+        return list(tokenizer.encode(text))
+
+
+def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> np.ndarray:
+    """Encode texts without special tokens into one token stream, documents separated by a blank line."""
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(_encode(tokenizer, t.strip() + "\n\n"))
+    return np.asarray(ids, dtype=np.int32)
+
+
+def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int, seed: int = 0) -> mx.array:
+    """Deterministic ``[n_rows, seq_len]`` int32 token rows drawn from texts with a seed.
+
+    Rows are disjoint windows of the token stream when it is long enough; otherwise
+    windows start at random offsets and may overlap one another (never another source).
+    """
+    if n_rows < 1 or seq_len < 2:
+        raise ValueError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
+    stream = tokenize_texts(tokenizer, texts)
+    n = len(stream)
+    if n < seq_len:
+        raise ValueError(f"text has {n} tokens, fewer than one row of seq_len={seq_len}")
+    rng = np.random.default_rng(seed)
+    n_chunks = n // seq_len
+    if n_rows <= n_chunks:
+        offset = int(rng.integers(0, n - n_chunks * seq_len + 1))
+        starts = offset + np.sort(rng.choice(n_chunks, size=n_rows, replace=False)) * seq_len
+    else:
+        starts = rng.integers(0, n - seq_len + 1, size=n_rows)
+    rows = np.stack([stream[s : s + seq_len] for s in starts])
+    return mx.array(rows, dtype=mx.int32)
