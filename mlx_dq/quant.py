@@ -3,16 +3,29 @@
 Every segment is stored exactly as MLX affine group quantization stores a
 weight (packed uint32 codes, 16-bit scales and biases), so each segment can be
 fed to ``mx.quantized_matmul`` / ``mx.dequantize`` as is.
+
+Building blocks, reusable by error-compensating quantizers:
+
+- :func:`affine_params` MLX's per-group scale/bias rule,
+- :func:`affine_codes` codes for given stored scales/biases,
+- :func:`clip_search` per-group range shrinking ("optimal shrinkage"),
+- :func:`pack_codes` / :func:`unpack_codes` / :func:`dequantize_ref` a numpy
+  reference of MLX's storage format, bit-exact with the CPU backend.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .options import QuantOption, perm_bits
+
+DEFAULT_CLIP_FACTORS: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+CLIP_METRICS = ("block", "diag")
+_EPS = 1e-7  # MLX's lower bound on a group's scale
 
 
 @dataclass
@@ -61,42 +74,341 @@ class QuantizedTensor:
         return n
 
 
+# --------------------------------------------------------------------------
+# numpy reference of MLX's storage format
+# --------------------------------------------------------------------------
+def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack integer codes ``[..., k]`` into MLX's uint32 words ``[..., k*bits/32]``.
+
+    Each row is one little-endian bit stream (code ``j`` at bits ``j*bits ...``),
+    so 3-, 5- and 6-bit codes cross word boundaries, exactly as ``mx.quantize``.
+    """
+    q = np.asarray(q)
+    k = q.shape[-1]
+    if k % 32:
+        raise ValueError(f"number of codes per row must be a multiple of 32, got {k}")
+    if q.size and int(q.max()) >= (1 << bits):
+        raise ValueError(f"codes do not fit in {bits} bits (max {int(q.max())})")
+    lead = q.shape[:-1]
+    blocks = q.reshape(-1, k // 32, 32).astype(np.uint64)  # 32 codes fill exactly `bits` words
+    words = np.zeros(blocks.shape[:-1] + (bits,), dtype=np.uint64)
+    for j in range(32):
+        word, off = divmod(j * bits, 32)
+        v = blocks[..., j] << np.uint64(off)
+        words[..., word] |= v & np.uint64(0xFFFFFFFF)
+        if off + bits > 32:
+            words[..., word + 1] |= v >> np.uint64(32)
+    return words.astype(np.uint32).reshape(*lead, k * bits // 32)
+
+
+def unpack_codes(packed: np.ndarray | mx.array, bits: int, k: int) -> np.ndarray:
+    """Unpack MLX's uint32 words ``[..., k*bits/32]`` into ``k`` integer codes per row."""
+    p = np.ascontiguousarray(np.asarray(packed, dtype=np.uint32))
+    if p.shape[-1] * 32 != k * bits:
+        raise ValueError(f"{p.shape[-1]} words per row do not hold {k} codes of {bits} bits")
+    lead = p.shape[:-1]
+    bitstream = np.unpackbits(p.astype("<u4").view(np.uint8), axis=-1, bitorder="little")
+    weights = (1 << np.arange(bits)).astype(np.uint16)
+    return (bitstream.reshape(*lead, k, bits).astype(np.uint16) @ weights).astype(np.uint16)
+
+
+def _bf16_round(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest bfloat16 (ties to even), returned as float32."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+def _to_numpy(a: np.ndarray | mx.array) -> tuple[np.ndarray, str]:
+    """A numpy copy of ``a`` and the name of its storage dtype (bfloat16 becomes float32)."""
+    if isinstance(a, mx.array):
+        if a.dtype == mx.bfloat16:
+            return np.array(a.astype(mx.float32)), "bfloat16"
+        a = np.array(a)
+    return a, str(a.dtype)
+
+
+def dequantize_ref(
+    packed: np.ndarray | mx.array,
+    scales: np.ndarray | mx.array,
+    biases: np.ndarray | mx.array,
+    bits: int,
+    group_size: int,
+) -> np.ndarray:
+    """Numpy twin of ``mx.dequantize`` on the CPU: ``round(round(scale*q) + bias)`` in the scales' dtype.
+
+    Bit-exact with MLX's CPU backend for float16, bfloat16 (returned as float32
+    holding bfloat16 values) and float32 scales.
+    """
+    s, kind = _to_numpy(scales)
+    b, _ = _to_numpy(biases)
+    k = s.shape[-1] * group_size
+    q = unpack_codes(packed, bits, k)
+    sg = np.repeat(s, group_size, axis=-1)
+    bg = np.repeat(b, group_size, axis=-1)
+    if kind == "bfloat16":
+        return _bf16_round(_bf16_round(sg * q.astype(np.float32)) + bg)
+    return sg * q.astype(s.dtype) + bg  # numpy rounds each fp16/fp32 op like MLX
+
+
+# --------------------------------------------------------------------------
+# MLX affine quantization building blocks
+# --------------------------------------------------------------------------
+def affine_params(wmin: mx.array, wmax: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+    """MLX's per-group float32 (scale, bias) for the range ``[wmin, wmax]``.
+
+    The larger-magnitude edge is made exactly representable and becomes the
+    bias, so about half the scales are negative (as in ``mx.quantize``).
+    """
+    n_bins = float((1 << bits) - 1)
+    mask = mx.abs(wmin) > mx.abs(wmax)
+    scale = mx.maximum((wmax - wmin) / n_bins, _EPS)
+    scale = mx.where(mask, scale, -scale)
+    edge = mx.where(mask, wmin, wmax)
+    q0 = mx.round(edge / scale)
+    nonzero = q0 != 0
+    scale = mx.where(nonzero, edge / mx.where(nonzero, q0, 1.0), scale)
+    bias = mx.where(nonzero, edge, 0.0)
+    return scale, bias
+
+
+def affine_codes(w: mx.array, scales: mx.array, biases: mx.array, bits: int) -> mx.array:
+    """Nearest codes of ``w`` (``[..., groups, g]``) for per-group ``scales``/``biases`` (``[..., groups]``).
+
+    Pass the stored (16-bit) scales so that the stored triple dequantizes to
+    the nearest representable value.
+    """
+    s = scales.astype(mx.float32)[..., None]
+    b = biases.astype(mx.float32)[..., None]
+    safe = mx.where(s == 0, 1.0, s)
+    q = mx.clip(mx.round((w - b) / safe), 0, (1 << bits) - 1)
+    return mx.where(s == 0, 0.0, q)
+
+
+def _dequant_groups(scales: mx.array, biases: mx.array, codes: mx.array) -> mx.array:
+    """Dequantize grouped codes in the stored dtype (as MLX does), returned as float32."""
+    dt = scales.dtype
+    return (scales[..., None] * codes.astype(dt) + biases[..., None]).astype(mx.float32)
+
+
+@dataclass
+class ClipResult:
+    """Per-group outcome of :func:`clip_search` for weights shaped ``[B, R, groups, g]``."""
+
+    scales: mx.array  # [B, R, groups], stored dtype
+    biases: mx.array
+    codes: mx.array  # [B, R, groups, g], float32 integers
+    factor: mx.array  # [B, R, groups] chosen shrink factor (0 marks MLX's own rounding)
+    err: mx.array  # [B, R, groups] optimised error of the chosen candidate
+    base_err: mx.array  # same error for plain mx.quantize
+    clipped: int  # weights outside the chosen range
+
+
+def _group_error(e: mx.array, weight: mx.array | None, metric: str) -> mx.array:
+    """Per-group error of residuals ``e`` [B, R, G, g]: squared, diag- or block-weighted."""
+    if weight is None:
+        return (e * e).sum(-1)
+    if metric == "diag":  # weight: [Bg, 1, G, g]
+        return (e * e * weight).sum(-1)
+    et = e.transpose(0, 2, 1, 3)  # [B, G, R, g]; weight: [Bg, G, g, g]
+    return ((et @ weight) * et).sum(-1).transpose(0, 2, 1)
+
+
+def gram_weights(gram: mx.array, group_size: int, metric: str) -> mx.array:
+    """The part of a Gram matrix ``[Bg, k, k]`` the per-group error uses.
+
+    ``"block"``: the diagonal ``g x g`` block of every group, ``[Bg, G, g, g]``
+    (exact output error of a group when other groups are exact); ``"diag"``:
+    the diagonal only, ``[Bg, 1, G, g]`` (input-energy-weighted squared error).
+    """
+    if metric not in CLIP_METRICS:
+        raise ValueError(f"clip metric must be one of {CLIP_METRICS}, got {metric!r}")
+    bg, k, _ = gram.shape
+    ng = k // group_size
+    if metric == "diag":
+        return mx.diagonal(gram, axis1=1, axis2=2).reshape(bg, 1, ng, group_size)
+    g5 = gram.reshape(bg, ng, group_size, ng, group_size)
+    return mx.diagonal(g5, axis1=1, axis2=3).transpose(0, 3, 1, 2)
+
+
+def clip_search(
+    w: mx.array,
+    bits: int,
+    target: mx.array | None = None,
+    weight: mx.array | None = None,
+    metric: str = "block",
+    factors: Sequence[float] = DEFAULT_CLIP_FACTORS,
+    dtype: mx.Dtype = mx.float16,
+) -> ClipResult:
+    """Per group, pick the shrunken range ``[f*min, f*max]`` (towards zero) with the least error.
+
+    ``w`` ``[B, R, G, g]`` holds the values to quantize (already in ``dtype``),
+    ``target`` the values the error is measured against (default ``w``),
+    ``weight`` the output of :func:`gram_weights` (None: plain squared error).
+    Plain MLX rounding is always a candidate, so the chosen error never
+    exceeds that of ``mx.quantize``. Codes are computed against the rounded
+    stored scales, so the stored triple dequantizes to what was scored.
+    """
+    target = w if target is None else target
+    wmin, wmax = w.min(-1), w.max(-1)
+    scale, bias = affine_params(wmin, wmax, bits)
+    n_bins = float((1 << bits) - 1)
+    base_codes = mx.clip(mx.round((w - bias[..., None]) / scale[..., None]), 0, n_bins)
+    best_s, best_b = scale.astype(dtype), bias.astype(dtype)
+    best_q = base_codes
+    base_err = _group_error(_dequant_groups(best_s, best_b, best_q) - target, weight, metric)
+    best_err = base_err
+    best_f = mx.zeros_like(base_err)
+    best_lo, best_hi = wmin, wmax
+    mx.eval(best_s, best_b, best_q, base_err)
+    for f in factors:
+        lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
+        hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
+        s, b = affine_params(lo, hi, bits)
+        s, b = s.astype(dtype), b.astype(dtype)
+        q = affine_codes(w, s, b, bits)
+        err = _group_error(_dequant_groups(s, b, q) - target, weight, metric)
+        better = err < best_err
+        best_s, best_b = mx.where(better, s, best_s), mx.where(better, b, best_b)
+        best_q = mx.where(better[..., None], q, best_q)
+        best_err = mx.where(better, err, best_err)
+        best_f = mx.where(better, f, best_f)
+        best_lo, best_hi = mx.where(better, lo, best_lo), mx.where(better, hi, best_hi)
+        mx.eval(best_s, best_b, best_q, best_err, best_f, best_lo, best_hi)
+    outside = (w < best_lo[..., None]) | (w > best_hi[..., None])
+    return ClipResult(best_s, best_b, best_q, best_f, best_err, base_err, int(outside.sum().item()))
+
+
+# --------------------------------------------------------------------------
+# error measures
+# --------------------------------------------------------------------------
+def weight_error(w: mx.array, wq: mx.array) -> float:
+    """Relative Frobenius error ``||Wq - W|| / ||W||`` of a quantized weight."""
+    w32, d = w.astype(mx.float32), wq.astype(mx.float32) - w.astype(mx.float32)
+    return float(mx.sqrt((d * d).sum() / (w32 * w32).sum()).item())
+
+
+def output_error(w: mx.array, wq: mx.array, gram: mx.array) -> float:
+    """Relative output error ``||X(Wq-W)^T||_F / ||X W^T||_F`` from the Gram matrix ``G = X^T X``.
+
+    Computed as ``sqrt(tr(D G D^T) / tr(W G W^T))`` with ``D = Wq - W``; ``gram``
+    is ``[in, in]`` or per expert ``[E, in, in]`` for banks ``[E, out, in]``.
+    """
+    g = gram.astype(mx.float32)
+    w32 = w.astype(mx.float32)
+    d = wq.astype(mx.float32) - w32
+    num = ((d @ g) * d).sum()
+    den = ((w32 @ g) * w32).sum()
+    return float(mx.sqrt(num / den).item())
+
+
+# --------------------------------------------------------------------------
+# whole-weight quantization
+# --------------------------------------------------------------------------
+def _as_banks(w: mx.array, gram: mx.array | None) -> tuple[mx.array, mx.array | None]:
+    """``w`` as ``[B, R, in]`` and ``gram`` as ``[Bg, in, in]`` (Bg = 1 or B)."""
+    if w.ndim not in (2, 3):
+        raise ValueError(f"weight must be [out, in] or [experts, out, in], got shape {tuple(w.shape)}")
+    w3 = w[None] if w.ndim == 2 else w
+    if gram is None:
+        return w3, None
+    g3 = gram[None] if gram.ndim == 2 else gram
+    in_f = w3.shape[-1]
+    if g3.ndim != 3 or g3.shape[-2:] != (in_f, in_f) or g3.shape[0] not in (1, w3.shape[0]):
+        raise ValueError(
+            f"gram shape {tuple(gram.shape)} does not match weight shape {tuple(w.shape)} "
+            f"(expected [{in_f}, {in_f}] or [{w3.shape[0]}, {in_f}, {in_f}])"
+        )
+    return w3, g3.astype(mx.float32)
+
+
+def act_order(in_features: int, gram: mx.array | None) -> np.ndarray:
+    """Input channels by activation energy (diagonal of ``gram``, summed over experts), descending."""
+    if gram is None:
+        return np.arange(in_features)
+    g3 = gram[None] if gram.ndim == 2 else gram
+    energy = np.asarray(mx.diagonal(g3.astype(mx.float32), axis1=1, axis2=2).sum(0))
+    return np.argsort(-energy, kind="stable")
+
+
 def quantize_weight(
     w: mx.array,
     option: QuantOption,
     gram: mx.array | None = None,
     clip: bool = True,
     scale_dtype: mx.Dtype = mx.float16,
+    *,
+    clip_factors: Sequence[float] = DEFAULT_CLIP_FACTORS,
+    clip_metric: str = "block",
 ) -> QuantizedTensor:
-    """Quantize ``w`` (``[..., out, in]``) with ``option``.
+    """Quantize ``w`` (``[out, in]`` or expert bank ``[E, out, in]``) with ``option``.
 
-    Minimal round-to-nearest version; the clip search and act-order from the
-    Gram matrix ``gram`` (``[in, in]``) refine it.
+    Mixed options sort input channels by ``gram`` (``X^T X``, ``[in, in]`` or
+    ``[E, in, in]``) energy first. Each segment is MLX affine quantization; with
+    ``clip`` a per-group range search lowers the output error (weight error
+    without ``gram``). Without ``clip`` every part equals ``mx.quantize`` of the
+    weight cast to ``scale_dtype``.
     """
     shape = tuple(int(d) for d in w.shape)
     if option.keep16:
         return QuantizedTensor(option, shape, fp=w.astype(scale_dtype))
-    wf = w.astype(mx.float32)
+    if clip_metric not in CLIP_METRICS:
+        raise ValueError(f"clip metric must be one of {CLIP_METRICS}, got {clip_metric!r}")
+    w3, g3 = _as_banks(w, gram)
+    in_f = shape[-1]
+    widths = option.split(in_f)
     perm = None
+    wf = w3.astype(mx.float32)
     if option.is_mixed:
-        in_f = shape[-1]
-        if gram is not None:
-            energy = np.asarray(mx.diagonal(gram.astype(mx.float32)))
-            order = np.argsort(-energy, kind="stable")
-        else:
-            order = np.arange(in_f)
+        order = act_order(in_f, g3)
         perm = order.astype(np.uint16 if perm_bits(in_f) == 16 else np.uint32)
-        wf = mx.take(wf, mx.array(order.astype(np.int32)), axis=-1)
+        idx = mx.array(order.astype(np.int32))
+        wf = mx.take(wf, idx, axis=-1)
+        if g3 is not None:
+            g3 = mx.take(mx.take(g3, idx, axis=-1), idx, axis=-2)
     qt = QuantizedTensor(option, shape, perm=perm)
+    base_total = best_total = 0.0
+    clipped = 0
     start = 0
-    for seg, k in zip(option.segments, option.split(shape[-1])):
+    for seg, k in zip(option.segments, widths):
         if k == 0:
             continue
-        ws = wf[..., start : start + k].astype(scale_dtype)
-        packed, scales, biases = mx.quantize(ws, group_size=seg.group_size, bits=seg.bits)
+        target = wf[..., start : start + k]
+        ws = target.astype(scale_dtype)
+        if not clip:
+            packed, scales, biases = mx.quantize(ws, group_size=seg.group_size, bits=seg.bits)
+        else:
+            b, r = ws.shape[0], ws.shape[1]
+            ng = k // seg.group_size
+            weight = None
+            if g3 is not None:
+                weight = gram_weights(g3[:, start : start + k, start : start + k], seg.group_size, clip_metric)
+            res = clip_search(
+                ws.astype(mx.float32).reshape(b, r, ng, seg.group_size),
+                seg.bits,
+                target=target.reshape(b, r, ng, seg.group_size),
+                weight=weight,
+                metric=clip_metric,
+                factors=clip_factors,
+                dtype=scale_dtype,
+            )
+            codes = np.array(res.codes.astype(mx.uint8 if seg.bits <= 8 else mx.uint16)).reshape(b, r, k)
+            packed = mx.array(pack_codes(codes, seg.bits))
+            scales, biases = res.scales, res.biases
+            base_total += float(res.base_err.sum().item())
+            best_total += float(res.err.sum().item())
+            clipped += res.clipped
+        if len(shape) == 2:
+            packed, scales, biases = packed[0], scales[0], biases[0]
         qt.parts.append((packed, scales, biases))
         qt.widths.append(k)
         qt.bits.append(seg.bits)
         qt.group_sizes.append(seg.group_size)
         start += k
+    if clip:
+        qt.stats = {
+            "clipped_fraction": clipped / float(np.prod(shape)),
+            "clip_improvement": 1.0 - best_total / base_total if base_total > 0 else 0.0,
+            "clip_metric": clip_metric if gram is not None else "weight",
+        }
     return qt
