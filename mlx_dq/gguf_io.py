@@ -1,0 +1,249 @@
+"""Read GGUF files (llama, qwen2, gemma3) as float weights, an mlx-lm config and a tokenizer.
+
+The file is memory-mapped with ``gguf.GGUFReader``; a tensor is dequantized
+(``gguf.quants.dequantize``: every GGML type, K-quants and IQ types included)
+only when it is asked for. Three things llama.cpp's converter changes are
+undone here:
+
+* llama Q/K projection rows are permuted for llama.cpp's rotary layout
+  (``convert_hf_to_gguf.py``: ``LlamaModel.permute``); qwen2 and gemma3 are not.
+* gemma3 stores every ``*norm.weight`` as ``1 + w``; mlx-lm's ``gemma3_text``
+  (like transformers) stores ``w`` and computes ``1 + w`` itself.
+* ``rope_theta`` goes to the top level of the config (mlx-lm reads it there;
+  a missing value silently means 10000).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+import gguf
+import mlx.core as mx
+import numpy as np
+
+MT = gguf.MODEL_TENSOR
+
+# GGUF tensor kind -> Hugging Face module path, shared by the supported families.
+_COMMON_NAMES: dict[Any, str] = {
+    MT.TOKEN_EMBD: "model.embed_tokens",
+    MT.OUTPUT_NORM: "model.norm",
+    MT.OUTPUT: "lm_head",
+    MT.ATTN_NORM: "model.layers.{bid}.input_layernorm",
+    MT.ATTN_Q: "model.layers.{bid}.self_attn.q_proj",
+    MT.ATTN_K: "model.layers.{bid}.self_attn.k_proj",
+    MT.ATTN_V: "model.layers.{bid}.self_attn.v_proj",
+    MT.ATTN_OUT: "model.layers.{bid}.self_attn.o_proj",
+    MT.FFN_NORM: "model.layers.{bid}.post_attention_layernorm",
+    MT.FFN_GATE: "model.layers.{bid}.mlp.gate_proj",
+    MT.FFN_UP: "model.layers.{bid}.mlp.up_proj",
+    MT.FFN_DOWN: "model.layers.{bid}.mlp.down_proj",
+}
+_GEMMA3_NAMES: dict[Any, str] = {
+    **_COMMON_NAMES,
+    MT.ATTN_Q_NORM: "model.layers.{bid}.self_attn.q_norm",
+    MT.ATTN_K_NORM: "model.layers.{bid}.self_attn.k_norm",
+    MT.ATTN_POST_NORM: "model.layers.{bid}.post_attention_layernorm",
+    MT.FFN_NORM: "model.layers.{bid}.pre_feedforward_layernorm",
+    MT.FFN_POST_NORM: "model.layers.{bid}.post_feedforward_layernorm",
+}
+
+# GGUF architecture -> (mlx-lm model_type, HF architectures entry, tensor names).
+SUPPORTED_ARCHS: dict[str, tuple[str, str, dict[Any, str]]] = {
+    "llama": ("llama", "LlamaForCausalLM", _COMMON_NAMES),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM", _COMMON_NAMES),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_NAMES),
+}
+
+# Tensors that carry no weight of their own in mlx-lm (derived from the config).
+_IGNORED = {gguf.TENSOR_NAMES[MT.ROPE_FREQS] + ".weight"}
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a Q or K weight (or bias) with ``n_head`` heads."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation of Q/K rows (the inverse of :func:`unpermute_qk`), for writing GGUF files."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """A memory-mapped GGUF model: HF-named tensors, an mlx-lm config, tokenizer files."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path, "r")
+        except Exception as e:  # the gguf package raises ValueError/struct errors on junk
+            raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from e
+        self.arch = str(self.meta("general.architecture", ""))
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(
+                f"GGUF architecture {self.arch!r} in {self.path} is not supported; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHS))}"
+            )
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        """One metadata value (scalars, strings and arrays as Python values), or ``default``."""
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _arch_meta(self, key: str, default: Any = None) -> Any:
+        return self.meta(f"{self.arch}.{key}", default)
+
+    @cached_property
+    def tensors(self) -> dict[str, Any]:
+        """HF tensor name -> ``gguf.ReaderTensor`` (no data read)."""
+        names = SUPPORTED_ARCHS[self.arch][2]
+        n_layers = int(self._arch_meta("block_count"))
+        to_hf: dict[str, str] = {}
+        for kind, hf in names.items():
+            base = gguf.TENSOR_NAMES[kind]
+            for bid in range(n_layers) if "{bid}" in base else [None]:
+                for suffix in (".weight", ".bias"):
+                    to_hf[base.format(bid=bid) + suffix] = hf.format(bid=bid) + suffix
+        out = {}
+        for t in self.reader.tensors:
+            if t.name in _IGNORED:
+                continue
+            if t.name not in to_hf:
+                raise ValueError(f"GGUF tensor {t.name!r} in {self.path} has no mlx-lm name for {self.arch}")
+            out[to_hf[t.name]] = t
+        return out
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of one HF-named tensor in HF layout (``[out, in]`` for a linear weight)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+
+    def read(self, names: Iterable[str]) -> dict[str, mx.array]:
+        """Dequantize only the named tensors to float32, undoing llama.cpp's layout changes."""
+        cfg = self.config
+        out = {}
+        for name in names:
+            t = self.tensors[name]
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            w = w.reshape(self.shape(name))
+            if self.arch == "llama" and ".self_attn.q_proj." in name:
+                w = unpermute_qk(w, cfg["num_attention_heads"])
+            elif self.arch == "llama" and ".self_attn.k_proj." in name:
+                w = unpermute_qk(w, cfg["num_key_value_heads"])
+            if self.arch == "gemma3" and name.endswith("norm.weight"):
+                w = w - 1.0
+            out[name] = mx.array(w)
+        return out
+
+    @cached_property
+    def config(self) -> dict:
+        """An mlx-lm/HF-style config.json dict built from the GGUF metadata."""
+        model_type, hf_arch, _ = SUPPORTED_ARCHS[self.arch]
+        m = self._arch_meta
+        n_heads = int(m("attention.head_count"))
+        n_kv = m("attention.head_count_kv", n_heads)
+        hidden = int(m("embedding_length"))
+        n_layers = int(m("block_count"))
+        tokens = self.meta("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens else int(m("vocab_size", 0))
+        if "model.embed_tokens.weight" in self.tensors:
+            vocab = self.shape("model.embed_tokens.weight")[0]
+        cfg: dict[str, Any] = {
+            "model_type": model_type,
+            "architectures": [hf_arch],
+            "hidden_size": hidden,
+            "num_hidden_layers": n_layers,
+            "intermediate_size": int(m("feed_forward_length")),
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": int(n_kv if not isinstance(n_kv, list) else n_kv[0]),
+            "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+            "vocab_size": vocab,
+            "max_position_embeddings": int(m("context_length", 4096)),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "rope_theta": float(m("rope.freq_base", 10000.0)),
+        }
+        head_dim = m("attention.key_length")
+        if head_dim is not None:
+            cfg["head_dim"] = int(head_dim)
+        if (scaling := m("rope.scaling.type")) not in (None, "none"):
+            cfg["rope_scaling"] = {"rope_type": scaling, "type": scaling, "factor": float(m("rope.scaling.factor", 1.0))}
+        if self.arch == "llama" and gguf.TENSOR_NAMES[MT.ROPE_FREQS] + ".weight" in {t.name for t in self.reader.tensors}:
+            raise ValueError(
+                f"{self.path} stores llama3-style rope frequency factors (rope_freqs), which are not supported yet"
+            )
+        if self.arch == "gemma3":
+            hd = cfg.get("head_dim", hidden // n_heads)
+            # llama.cpp: 27B (62 layers) scales queries by hidden/heads, the others by head_dim.
+            cfg["query_pre_attn_scalar"] = hidden // n_heads if n_layers == 62 else hd
+            if (window := m("attention.sliding_window")) is not None:
+                cfg["sliding_window"] = int(window)
+            cfg["rope_local_base_freq"] = 10000.0
+        for key in ("bos_token_id", "eos_token_id", "padding_token_id"):
+            if (tid := self.meta(f"tokenizer.ggml.{key}")) is not None:
+                cfg[key.replace("padding", "pad")] = int(tid)
+        return cfg
+
+    def tokenizer_config(self) -> dict:
+        """The tokenizer's construction dict (special tokens, BOS/EOS flags, chat template)."""
+        tokens = self.meta("tokenizer.ggml.tokens") or []
+        cfg: dict[str, Any] = {}
+        for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+            tid = self.meta(f"tokenizer.ggml.{key}_token_id")
+            if tid is not None and 0 <= int(tid) < len(tokens):
+                cfg[name] = tokens[int(tid)]
+        tokenizer_type = self.meta("tokenizer.ggml.model")
+        # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
+        cfg["add_bos_token"] = bool(self.meta("tokenizer.ggml.add_bos_token", tokenizer_type == "llama"))
+        cfg["add_eos_token"] = bool(self.meta("tokenizer.ggml.add_eos_token", False))
+        if (template := self.meta("tokenizer.chat_template")) is not None:
+            cfg["chat_template"] = template
+        return cfg
+
+    def write_tokenizer(self, dst: str | Path) -> Path:
+        """Rebuild the tokenizer from the GGUF metadata and save it (tokenizer.json, tokenizer_config.json, chat template) in ``dst``."""
+        from transformers import PreTrainedTokenizerFast
+
+        backend = self._backend_tokenizer()
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, **self.tokenizer_config())
+        dst = Path(dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(dst))
+        return dst
+
+    def _backend_tokenizer(self):
+        """A ``tokenizers.Tokenizer`` for this vocabulary, built by transformers' GGUF tokenizer converter."""
+        try:  # transformers >= 5
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+                GGUF_TOKENIZER_MAPPING,
+                convert_gguf_tokenizer,
+            )
+        except ImportError:  # transformers 4.x
+            from transformers.integrations.ggml import convert_gguf_tokenizer
+            from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING  # type: ignore
+
+        fields = {}
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items():
+            value = self.meta(f"tokenizer.{key}")
+            if value is not None:
+                fields[name] = value
+        if not fields.get("tokens"):
+            raise ValueError(f"{self.path} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+        backend, _ = convert_gguf_tokenizer(self.arch, fields)
+        if fields.get("pre_tokenizer_type") == "smollm":
+            # llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 split.
+            from tokenizers import pre_tokenizers
+
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), backend.pre_tokenizer]
+            )
+        return backend
+
+    def write_config(self, dst: str | Path) -> Path:
+        """Write the mlx-lm config.json built from the metadata into ``dst``."""
+        dst = Path(dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        (dst / "config.json").write_text(json.dumps(self.config, indent=2))
+        return dst / "config.json"

