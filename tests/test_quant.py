@@ -1,0 +1,305 @@
+"""Quantization math: MLX storage format, round trips, clip search, error measures."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dq.options import VALID_BITS, VALID_GROUPS, QuantOption, Segment
+from mlx_dq.quant import (
+    QuantizedTensor,
+    act_order,
+    dequantize_ref,
+    output_error,
+    pack_codes,
+    quantize_weight,
+    unpack_codes,
+    weight_error,
+)
+
+BITS_GROUPS = list(itertools.product(VALID_BITS, VALID_GROUPS))
+
+
+def heavy_tailed(shape: tuple[int, ...], seed: int = 0) -> mx.array:
+    """Weights like a trained layer's: Student-t rows with a few large-scale input channels."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_t(4, size=shape) * 0.02
+    w *= 1.0 + 3.0 * (rng.random(shape[-1]) < 0.02)
+    return mx.array(w.astype(np.float32))
+
+
+def random_gram(in_f: int, n: int = 512, seed: int = 1) -> tuple[mx.array, np.ndarray]:
+    """A Gram matrix X^T X of correlated inputs with uneven channel energy, and X itself."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, in_f)) * rng.lognormal(0.0, 1.0, in_f)
+    x = x + 0.5 * rng.standard_normal((n, 1))
+    x = x.astype(np.float32)
+    return mx.array(x.T @ x), x
+
+
+def save_load(qt: QuantizedTensor, path) -> tuple[QuantizedTensor, int]:
+    """Save a quantized tensor's arrays with safetensors, load them back; also return the file's array bytes."""
+    arrays = {}
+    for i, (w, s, b) in enumerate(qt.parts):
+        arrays[f"seg{i}.weight"], arrays[f"seg{i}.scales"], arrays[f"seg{i}.biases"] = w, s, b
+    if qt.perm is not None:
+        arrays["perm"] = mx.array(qt.perm)
+    if qt.fp is not None:
+        arrays["weight"] = qt.fp
+    mx.save_safetensors(str(path), arrays)
+    loaded = mx.load(str(path))
+    assert set(loaded) == set(arrays)
+    parts = [(loaded[f"seg{i}.weight"], loaded[f"seg{i}.scales"], loaded[f"seg{i}.biases"]) for i in range(len(qt.parts))]
+    perm = np.array(loaded["perm"]) if "perm" in loaded else None
+    back = QuantizedTensor(
+        qt.option, qt.shape, parts, list(qt.widths), list(qt.bits), list(qt.group_sizes), perm=perm, fp=loaded.get("weight")
+    )
+    return back, sum(a.nbytes for a in loaded.values())
+
+
+def reference_weight(qt: QuantizedTensor) -> np.ndarray:
+    """Dequantize every segment with the numpy reference and undo the permutation."""
+    cols = [dequantize_ref(w, s, b, bits, g) for (w, s, b), bits, g in zip(qt.parts, qt.bits, qt.group_sizes)]
+    full = np.concatenate(cols, axis=-1).astype(np.float32)
+    if qt.perm is not None:
+        full = full[..., np.argsort(qt.perm.astype(np.int64))]
+    return full
+
+
+# ----------------------------------------------------------------- packing
+@pytest.mark.parametrize("bits,group", BITS_GROUPS)
+def test_reference_is_bit_exact_with_mlx(bits: int, group: int) -> None:
+    w = heavy_tailed((48, 384), seed=bits * group).astype(mx.float16)
+    packed, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    codes = unpack_codes(packed, bits, 384)
+    assert codes.max() <= (1 << bits) - 1
+    assert np.array_equal(pack_codes(codes, bits), np.array(packed))
+    ref = dequantize_ref(packed, scales, biases, bits, group)
+    got = np.array(mx.dequantize(packed, scales, biases, group_size=group, bits=bits))
+    assert ref.dtype == np.float16
+    assert np.array_equal(ref.view(np.uint16), got.view(np.uint16))
+
+
+@pytest.mark.parametrize("bits", VALID_BITS)
+def test_pack_codes_is_what_mlx_unpacks(bits: int) -> None:
+    rng = np.random.default_rng(bits)
+    codes = rng.integers(0, 1 << bits, size=(5, 256))
+    packed = mx.array(pack_codes(codes, bits))
+    ones = mx.ones((5, 256 // 32), dtype=mx.float32)
+    back = mx.dequantize(packed, ones, mx.zeros_like(ones), group_size=32, bits=bits)
+    assert np.array_equal(np.array(back).astype(np.int64), codes)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_reference_matches_other_scale_dtypes(dtype: mx.Dtype) -> None:
+    w = heavy_tailed((32, 256), seed=3).astype(dtype)
+    for bits in (3, 4, 6):
+        packed, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+        got = np.array(mx.dequantize(packed, scales, biases, group_size=64, bits=bits).astype(mx.float32))
+        assert np.array_equal(dequantize_ref(packed, scales, biases, bits, 64).astype(np.float32), got)
+
+
+def test_pack_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_codes(np.zeros((2, 40), dtype=np.uint8), 4)
+    with pytest.raises(ValueError, match="do not fit in 2 bits"):
+        pack_codes(np.full((2, 32), 4, dtype=np.uint8), 2)
+    with pytest.raises(ValueError, match="do not hold"):
+        unpack_codes(np.zeros((2, 3), dtype=np.uint32), 4, 32)
+
+
+# -------------------------------------------------------------- round trips
+def _check_round_trip(qt: QuantizedTensor, tmp_path) -> None:
+    back, nbytes = save_load(qt, tmp_path / "t.safetensors")
+    assert qt.option.storage_bits(qt.shape) == 8 * nbytes == 8 * qt.nbytes()
+    ref = reference_weight(back)
+    got = np.array(back.dequantize())
+    assert got.shape == qt.shape
+    assert np.array_equal(ref, got)
+    assert np.array_equal(got, np.array(qt.dequantize()))
+
+
+@pytest.mark.parametrize("bits,group", BITS_GROUPS)
+def test_round_trip_uniform(bits: int, group: int, tmp_path) -> None:
+    in_f = 1536 if group == 128 else 576
+    w = heavy_tailed((40, in_f), seed=bits + group)
+    gram, _ = random_gram(in_f, n=64)
+    qt = quantize_weight(w, QuantOption.uniform(bits, group), gram=gram)
+    assert qt.perm is None and len(qt.parts) == 1
+    _check_round_trip(qt, tmp_path)
+
+
+def _random_option(rng: np.random.Generator, n_seg: int) -> QuantOption:
+    bits = sorted(rng.choice(VALID_BITS, size=n_seg, replace=False).tolist(), reverse=True)
+    props = rng.dirichlet(np.ones(n_seg))
+    props = np.maximum(np.round(props, 3), 0.001)
+    props[-1] = 1.0 - props[:-1].sum()
+    return QuantOption(tuple(Segment(int(b), int(rng.choice(VALID_GROUPS)), float(p)) for b, p in zip(bits, props)))
+
+
+MIXED_CASES = [(n_seg, shape, seed) for seed, (n_seg, shape) in enumerate(
+    itertools.product((2, 3), [(24, 576), (16, 1536), (8, 4096), (3, 16, 768)])
+)]
+
+
+@pytest.mark.parametrize("n_seg,shape,seed", MIXED_CASES)
+def test_round_trip_mixed(n_seg: int, shape: tuple[int, ...], seed: int, tmp_path) -> None:
+    rng = np.random.default_rng(seed)
+    opt = _random_option(rng, n_seg)
+    while not opt.fits(shape[-1]):
+        opt = _random_option(rng, n_seg)
+    w = heavy_tailed(shape, seed=seed)
+    gram, _ = random_gram(shape[-1], n=64, seed=seed)
+    qt = quantize_weight(w, opt, gram=gram)
+    assert qt.perm is not None and qt.perm.dtype == np.uint16
+    assert sum(qt.widths) == shape[-1] and qt.widths == [k for k in opt.split(shape[-1]) if k]
+    _check_round_trip(qt, tmp_path)
+
+
+def test_round_trip_keep16(tmp_path) -> None:
+    w = heavy_tailed((8, 64))
+    qt = quantize_weight(w, QuantOption.fp16())
+    back, nbytes = save_load(qt, tmp_path / "k.safetensors")
+    assert 8 * nbytes == QuantOption.fp16().storage_bits(qt.shape)
+    assert np.array_equal(np.array(back.dequantize()), np.array(w.astype(mx.float16).astype(mx.float32)))
+
+
+# ---------------------------------------------------------------- semantics
+@pytest.mark.parametrize("desc", ["1.0:3b_64g", "0.3:5b_32g/0.7:3b_64g"])
+def test_without_clip_parts_equal_mx_quantize(desc: str) -> None:
+    opt = QuantOption.parse(desc)
+    w = heavy_tailed((32, 576), seed=7)
+    gram, _ = random_gram(576, n=64)
+    qt = quantize_weight(w, opt, gram=gram, clip=False)
+    order = qt.perm.astype(np.int64) if qt.perm is not None else np.arange(576)
+    wp = mx.take(w, mx.array(order.astype(np.int32)), axis=-1).astype(mx.float16)
+    start = 0
+    for (p, s, b), k, bits, g in zip(qt.parts, qt.widths, qt.bits, qt.group_sizes):
+        ep, es, eb = mx.quantize(wp[:, start : start + k], group_size=g, bits=bits)
+        assert np.array_equal(np.array(p), np.array(ep))
+        assert np.array_equal(np.array(s), np.array(es)) and np.array_equal(np.array(b), np.array(eb))
+        start += k
+    assert qt.stats == {}
+
+
+def test_act_order_follows_gram_energy() -> None:
+    rng = np.random.default_rng(0)
+    energy = rng.permutation(np.arange(1, 65)).astype(np.float32)
+    gram = mx.array(np.diag(energy))
+    assert np.array_equal(act_order(64, gram), np.argsort(-energy))
+    assert np.array_equal(act_order(64, None), np.arange(64))
+    qt = quantize_weight(heavy_tailed((8, 64)), QuantOption.parse("0.5:4b_32g/0.5:2b_32g"), gram=gram)
+    assert np.array_equal(qt.perm, np.argsort(-energy))
+    qt = quantize_weight(heavy_tailed((8, 64)), QuantOption.parse("0.5:4b_32g/0.5:2b_32g"))
+    assert np.array_equal(qt.perm, np.arange(64))
+
+
+def test_codes_are_nearest_for_stored_scales() -> None:
+    w = heavy_tailed((16, 256), seed=5)
+    qt = quantize_weight(w, QuantOption.uniform(3, 32))
+    (p, s, b), = qt.parts
+    codes = unpack_codes(p, 3, 256).astype(np.float32)
+    sg = np.repeat(np.array(s).astype(np.float32), 32, -1)
+    bg = np.repeat(np.array(b).astype(np.float32), 32, -1)
+    w16 = np.array(w.astype(mx.float16)).astype(np.float32)
+    levels = sg[..., None] * np.arange(8, dtype=np.float32) + bg[..., None]
+    best = np.abs(levels - w16[..., None]).min(-1)
+    chosen = np.abs(sg * codes + bg - w16)
+    assert np.all(chosen <= best + 1e-6)
+
+
+def _block_error(w: mx.array, wq: mx.array, gram: mx.array, group: int) -> float:
+    """Sum over groups of e^T G_gg e: the quantity the block clip search minimises."""
+    e = np.array(wq) - np.array(w)
+    g = np.array(gram)
+    total = 0.0
+    for j in range(0, e.shape[-1], group):
+        ej = e[:, j : j + group]
+        total += float(np.einsum("ri,ij,rj->", ej, g[j : j + group, j : j + group], ej))
+    return total
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_clip_search_never_increases_its_error(bits: int) -> None:
+    w = heavy_tailed((64, 256), seed=bits)
+    gram, _ = random_gram(256, n=128, seed=bits)
+    opt = QuantOption.uniform(bits, 64)
+    plain = quantize_weight(w, opt, clip=False).dequantize()
+    clipped = quantize_weight(w, opt).dequantize()
+    e_plain, e_clip = weight_error(w, plain), weight_error(w, clipped)
+    assert e_clip <= e_plain * (1 + 1e-6)
+    weighted = quantize_weight(w, opt, gram=gram)
+    assert weighted.stats["clip_metric"] == "block"
+    b_plain = _block_error(w, plain, gram, 64)
+    b_clip = _block_error(w, weighted.dequantize(), gram, 64)
+    assert b_clip <= b_plain * (1 + 1e-6)
+    if bits <= 3:  # heavy tails: shrinking the range must pay off
+        assert e_clip < 0.95 * e_plain and b_clip < 0.95 * b_plain
+        assert 0.0 < weighted.stats["clipped_fraction"] < 0.5
+        assert weighted.stats["clip_improvement"] > 0.05
+        assert abs(weighted.stats["clip_improvement"] - (1 - b_clip / b_plain)) < 0.02
+
+
+def test_clip_search_lowers_output_error_with_gram() -> None:
+    w = heavy_tailed((64, 512), seed=11)
+    gram, _ = random_gram(512, n=256, seed=11)
+    opt = QuantOption.uniform(3, 64)
+    plain = output_error(w, quantize_weight(w, opt, clip=False).dequantize(), gram)
+    for metric in ("block", "diag"):
+        got = output_error(w, quantize_weight(w, opt, gram=gram, clip_metric=metric).dequantize(), gram)
+        assert got < plain
+
+
+def test_expert_bank_with_shared_and_per_expert_gram(tmp_path) -> None:
+    w = heavy_tailed((4, 32, 256), seed=2)
+    shared, _ = random_gram(256, n=64)
+    per = mx.stack([random_gram(256, n=64, seed=s)[0] for s in range(4)])
+    opt = QuantOption.parse("0.25:4b_64g/0.75:2b_64g")
+    for gram in (shared, per):
+        qt = quantize_weight(w, opt, gram=gram)
+        assert qt.parts[0][0].shape[:2] == (4, 32)
+        _check_round_trip(qt, tmp_path)
+        plain = quantize_weight(w, opt, gram=gram, clip=False)
+        assert output_error(w, qt.dequantize(), gram) < output_error(w, plain.dequantize(), gram)
+    expect = np.argsort(-np.array(mx.diagonal(per, axis1=1, axis2=2).sum(0)), kind="stable")
+    assert np.array_equal(quantize_weight(w, opt, gram=per).perm, expect)
+
+
+def test_bad_inputs_are_named() -> None:
+    w = heavy_tailed((8, 64))
+    with pytest.raises(ValueError, match="gram shape"):
+        quantize_weight(w, QuantOption.uniform(4, 32), gram=mx.eye(32))
+    with pytest.raises(ValueError, match="clip metric"):
+        quantize_weight(w, QuantOption.uniform(4, 32), clip_metric="fro")
+    with pytest.raises(ValueError, match="in_features=64"):
+        quantize_weight(w, QuantOption.uniform(4, 128))
+    with pytest.raises(ValueError, match="weight must be"):
+        quantize_weight(mx.zeros((64,)), QuantOption.uniform(4, 32))
+
+
+# ------------------------------------------------------------ error measures
+def test_output_error_equals_direct_computation() -> None:
+    rng = np.random.default_rng(4)
+    w = heavy_tailed((48, 128), seed=4)
+    wq = quantize_weight(w, QuantOption.uniform(3, 32)).dequantize()
+    x = rng.standard_normal((300, 128)).astype(np.float32) * rng.lognormal(0, 1, 128).astype(np.float32)
+    gram = mx.array(x.T.astype(np.float64) @ x.astype(np.float64))
+    direct = np.linalg.norm(x @ (np.array(wq) - np.array(w)).T) / np.linalg.norm(x @ np.array(w).T)
+    assert abs(output_error(w, wq, gram) - direct) < 1e-4 * direct
+    # expert banks with one Gram matrix per expert
+    wb = heavy_tailed((3, 16, 64), seed=9)
+    wbq = quantize_weight(wb, QuantOption.uniform(2, 32)).dequantize()
+    xs = [rng.standard_normal((100, 64)).astype(np.float32) for _ in range(3)]
+    grams = mx.array(np.stack([xi.T @ xi for xi in xs]))
+    num = sum(np.linalg.norm(xi @ (np.array(wbq[i]) - np.array(wb[i])).T) ** 2 for i, xi in enumerate(xs))
+    den = sum(np.linalg.norm(xi @ np.array(wb[i]).T) ** 2 for i, xi in enumerate(xs))
+    assert abs(output_error(wb, wbq, grams) - np.sqrt(num / den)) < 1e-4 * np.sqrt(num / den)
+
+
+def test_weight_error_is_relative_frobenius() -> None:
+    w = mx.array(np.array([[3.0, 4.0]], dtype=np.float32))
+    assert weight_error(w, w) == 0.0
+    assert abs(weight_error(w, mx.array(np.array([[3.0, 4.5]], dtype=np.float32))) - 0.1) < 1e-7
