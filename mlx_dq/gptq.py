@@ -1,0 +1,454 @@
+"""Error-compensating quantization (GPTQ) with activation-weighted scale search.
+
+Rounding every weight to its nearest code ignores that the output error of a
+linear layer is ``||X (Wq - W)^T||``: errors on correlated input channels can
+cancel. GPTQ quantizes input channels one at a time and pushes each channel's
+rounding error onto the channels not yet quantized, through the inverse of
+the (damped) Gram matrix ``H = X^T X`` of the layer's inputs.
+
+Channel order:
+
+- Mixed options: channels are sorted by activation energy (``diag(H)``,
+  descending). That order is both the segment assignment (the most active
+  channels get the widest segment) and the stored permutation, so GPTQ simply
+  runs in storage order, and every group's scale/bias is chosen when the
+  quantizer reaches the group's first column, from the error-updated weights.
+- Uniform options stay in natural channel order (stock MLX cannot store a
+  permutation). With ``act_order=True`` they use GPTQ's "static groups":
+  every group's scale/bias is chosen up front from the original weights in
+  natural order, then columns are processed in act-order. With
+  ``act_order=False`` columns run in natural order and groups are chosen
+  lazily from the updated weights, as for mixed options.
+
+Group parameters come from :func:`mlx_dq.quant.clip_search` (range shrinking)
+and, with ``weighted_scales``, a refinement that minimises the input-energy
+weighted error ``sum_j diag(H)_j (w_j - q_j)^2`` over shifted/rescaled ranges
+and a weighted least-squares refit (:func:`refine_group_params`). Codes are
+computed against the rounded 16-bit scales and biases, and the value GPTQ
+feeds back is exactly what ``mx.dequantize`` returns for the stored triple.
+
+Sequential quantization: the caller (measurer, converter) accumulates ``H``
+from the inputs the layer receives when every earlier layer is already
+quantized, and passes it here; see :func:`gptq_quantize`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .options import QuantOption, perm_bits
+from .quant import (
+    DEFAULT_CLIP_FACTORS,
+    QuantizedTensor,
+    _as_banks,
+    act_order as energy_order,
+    clip_search,
+    output_error,
+    pack_codes,
+    quantize_weight,
+    weight_error,
+)
+
+DEFAULT_SHIFTS: tuple[float, ...] = (-0.5, -0.25, 0.25, 0.5)  # bias shifts, in quantization steps
+DEFAULT_RESCALES: tuple[float, ...] = (0.9, 0.95, 1.05)  # scale multipliers around the range centre
+MAX_DAMP_RETRIES = 6
+
+
+# --------------------------------------------------------------------------
+# Hessian preparation
+# --------------------------------------------------------------------------
+def damped_hessian(gram: np.ndarray, damp: float) -> tuple[np.ndarray, float]:
+    """``H`` (``[B, k, k]``) with dead channels set to 1 and ``damp * mean(diag(H))`` added to the diagonal.
+
+    Returns the damped float32 matrix and the absolute damping added.
+    """
+    if damp < 0:
+        raise ValueError(f"damp must be >= 0, got {damp}")
+    h = np.array(gram, dtype=np.float32, copy=True)
+    diag = np.einsum("bii->bi", h)  # writable view of every diagonal
+    dead = diag <= 0
+    diag[dead] = 1.0
+    lam = float(damp * diag.mean()) if diag.size else 0.0
+    diag += lam
+    return h, lam
+
+
+def inverse_cholesky_upper(h: np.ndarray, damp_step: float | None = None) -> tuple[np.ndarray, float]:
+    """Upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``) for each ``[k, k]`` in ``h`` (``[B, k, k]``).
+
+    Runs on MLX's CPU linear algebra in float32. A matrix that is not
+    numerically positive definite gets ``damp_step`` (default 1% of its mean
+    diagonal) more damping, growing tenfold per retry; returns ``U`` and the
+    extra damping used.
+    """
+    h = np.asarray(h, dtype=np.float32)
+    mean_diag = float(np.einsum("bii->bi", h).mean())
+    step = damp_step if damp_step is not None else 0.01 * max(mean_diag, 1e-12)
+    extra = 0.0
+    eye = np.eye(h.shape[-1], dtype=np.float32)
+    for _ in range(MAX_DAMP_RETRIES):
+        hm = mx.array(h + extra * eye)
+        lower = mx.linalg.cholesky(hm, stream=mx.cpu)
+        inv = mx.linalg.cholesky_inv(lower, stream=mx.cpu)
+        upper = mx.linalg.cholesky(inv, upper=True, stream=mx.cpu)
+        u = np.array(upper)
+        d = np.einsum("bii->bi", u)
+        if np.all(np.isfinite(u)) and np.all(d > 0):
+            return u, extra
+        extra = step if extra == 0.0 else extra * 10.0
+    raise ValueError(f"Gram matrix is not positive definite even with {extra:g} added damping")
+
+
+# --------------------------------------------------------------------------
+# group parameters
+# --------------------------------------------------------------------------
+def dequant_f16(q: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> np.ndarray:
+    """What ``mx.dequantize`` returns for codes ``q`` and fp16 ``scales``/``biases`` (broadcast), as float32.
+
+    MLX's CPU backend rounds ``scale*q`` and the sum to fp16, as numpy's fp16 arithmetic does.
+    """
+    return (scales * q.astype(np.float16) + biases).astype(np.float32)
+
+
+def codes_f16(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+    """Nearest codes of float32 ``w`` for fp16 ``scales``/``biases`` (broadcast), clipped to ``bits``."""
+    s = scales.astype(np.float32)
+    b = biases.astype(np.float32)
+    safe = np.where(s == 0, 1.0, s)
+    q = np.clip(np.rint((w - b) / safe), 0, (1 << bits) - 1)
+    return np.where(s == 0, 0.0, q).astype(np.float32)
+
+
+def _weighted_err(w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, weight: np.ndarray | None):
+    q = codes_f16(w, s[..., None], b[..., None], bits)
+    e = dequant_f16(q, s[..., None], b[..., None]) - w
+    e2 = e * e if weight is None else e * e * weight
+    return e2.sum(-1), q
+
+
+def refine_group_params(
+    w: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    bits: int,
+    weight: np.ndarray | None = None,
+    shifts: tuple[float, ...] = DEFAULT_SHIFTS,
+    rescales: tuple[float, ...] = DEFAULT_RESCALES,
+    refits: int = 2,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Improve per-group fp16 ``scales``/``biases`` (``[..., G]``) for ``w`` (``[..., G, g]``) under a weighted error.
+
+    Tries the range shifted by fractions of a step, rescaled around its centre,
+    and ``refits`` rounds of weighted least squares of ``(scale, bias)`` for the
+    current codes; keeps, per group, whichever has the least
+    ``sum_j weight_j (w_j - q_j)^2`` (``weight`` broadcasts to ``w``; None
+    means plain squared error). Never worse than the input parameters.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    best_s = np.asarray(scales, dtype=np.float16)
+    best_b = np.asarray(biases, dtype=np.float16)
+    best_err, best_q = _weighted_err(w, best_s, best_b, bits, weight)
+    s32, b32 = best_s.astype(np.float32), best_b.astype(np.float32)
+    n_bins = float((1 << bits) - 1)
+    centre = b32 + s32 * n_bins / 2
+    cands = [(s32, b32 + t * s32) for t in shifts]
+    cands += [(s32 * f, centre - s32 * f * n_bins / 2) for f in rescales]
+
+    def consider(s: np.ndarray, b: np.ndarray) -> None:
+        nonlocal best_s, best_b, best_err, best_q
+        s16, b16 = s.astype(np.float16), b.astype(np.float16)
+        if not (np.all(np.isfinite(s16)) and np.all(np.isfinite(b16))):
+            ok = np.isfinite(s16) & np.isfinite(b16)
+            s16, b16 = np.where(ok, s16, best_s), np.where(ok, b16, best_b)
+        err, q = _weighted_err(w, s16, b16, bits, weight)
+        better = err < best_err
+        best_s, best_b = np.where(better, s16, best_s), np.where(better, b16, best_b)
+        best_err = np.where(better, err, best_err)
+        best_q = np.where(better[..., None], q, best_q)
+
+    for s, b in cands:
+        consider(s, b)
+    wt = np.ones_like(w) if weight is None else np.broadcast_to(weight, w.shape).astype(np.float32)
+    for _ in range(refits):
+        q = best_q
+        sd, sq = wt.sum(-1), (wt * q).sum(-1)
+        sqq, sw, sqw = (wt * q * q).sum(-1), (wt * w).sum(-1), (wt * q * w).sum(-1)
+        det = sd * sqq - sq * sq
+        ok = det > 1e-12 * np.maximum(sd * sqq, 1e-30)
+        safe = np.where(ok, det, 1.0)
+        s_ls = np.where(ok, (sd * sqw - sq * sw) / safe, best_s.astype(np.float32))
+        b_ls = np.where(ok, (sw - s_ls * sq) / np.where(sd > 0, sd, 1.0), best_b.astype(np.float32))
+        consider(s_ls, b_ls)
+    return best_s, best_b
+
+
+def choose_group_params(
+    w: np.ndarray,
+    bits: int,
+    weight: np.ndarray | None = None,
+    clip: bool = True,
+    weighted: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """fp16 scales/biases (``[B, R, G]``) for groups ``w`` (``[B, R, G, g]``, float32).
+
+    Starts from MLX's own range rule; ``clip`` runs :func:`mlx_dq.quant.clip_search`
+    (plain squared error, or ``weight``-weighted when ``weighted``); ``weighted``
+    then refines with :func:`refine_group_params` under the ``weight``
+    (``[Bg, 1, G, g]``, e.g. ``diag(H)``) weighted error.
+    """
+    wm = mx.array(w)
+    wei = weight if weighted else None
+    res = clip_search(
+        wm.astype(mx.float16).astype(mx.float32),
+        bits,
+        target=wm,
+        weight=None if wei is None else mx.array(wei),
+        metric="diag",
+        factors=DEFAULT_CLIP_FACTORS if clip else (),
+        dtype=mx.float16,
+    )
+    s, b = np.array(res.scales), np.array(res.biases)
+    if weighted:
+        s, b = refine_group_params(w, s, b, bits, wei)
+    return s, b
+
+
+# --------------------------------------------------------------------------
+# GPTQ core
+# --------------------------------------------------------------------------
+@dataclass
+class GPTQResult:
+    """Raw GPTQ output in storage channel order, rows ``[B, R]`` (experts folded as the Hessian dictates).
+
+    ``codes`` ``[B, R, k]``; ``scales``/``biases`` ``[B, R, k/g]`` per group
+    (fp16, groups laid out segment after segment); ``assumed`` ``[B, R, k]``
+    the dequantized weight GPTQ compensated for (float32 of the fp16 values
+    ``mx.dequantize`` yields); ``order`` original channel of each storage
+    column; ``extra_damp`` damping added beyond the requested one.
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    assumed: np.ndarray
+    order: np.ndarray
+    damp_abs: float
+    extra_damp: float
+    stats: dict = field(default_factory=dict)
+
+
+def _group_layout(option: QuantOption, in_f: int) -> list[tuple[int, int, int]]:
+    """``(start, size, bits)`` of every group, in storage order, segment after segment."""
+    groups, start = [], 0
+    for seg, k in zip(option.segments, option.split(in_f)):
+        for g0 in range(start, start + k, seg.group_size):
+            groups.append((g0, seg.group_size, seg.bits))
+        start += k
+    return groups
+
+
+def gptq_core(
+    w: np.ndarray,
+    gram: np.ndarray,
+    option: QuantOption,
+    order: np.ndarray,
+    *,
+    static_groups: bool,
+    process_order: np.ndarray | None = None,
+    damp: float = 0.01,
+    block_size: int = 128,
+    clip: bool = True,
+    weighted_scales: bool = True,
+) -> GPTQResult:
+    """GPTQ on ``w`` ``[B, R, in]`` with Gram ``[1 or B, in, in]``; storage column ``j`` is channel ``order[j]``.
+
+    Columns are processed in storage order, or in ``process_order`` (storage
+    positions) with ``static_groups`` (group parameters fixed up front from
+    the original weights). Without static groups, blocks end on group
+    boundaries and each group's parameters are chosen from the updated weights
+    when its first column comes up.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    w = np.asarray(w, dtype=np.float32)
+    nb, rows, k = w.shape
+    groups = _group_layout(option, k)
+    gid = np.empty(k, dtype=np.int64)
+    for i, (g0, gs, _) in enumerate(groups):
+        gid[g0 : g0 + gs] = i
+    g_bits = np.array([b for _, _, b in groups])
+    g_start = np.array([g0 for g0, _, _ in groups])
+
+    ws = w[:, :, order]  # storage order
+    gs_full = np.asarray(gram, dtype=np.float32)[:, order][:, :, order]
+    energy = np.einsum("bii->bi", gs_full).copy()  # undamped diag(H), storage order [Bg, k]
+    porder = np.arange(k) if process_order is None else np.asarray(process_order)
+    if not static_groups and process_order is not None and not np.array_equal(porder, np.arange(k)):
+        raise ValueError("a custom process order needs static_groups=True")
+
+    h, lam = damped_hessian(gs_full[:, porder][:, :, porder], damp)
+    u, extra = inverse_cholesky_upper(h)
+    scales = np.zeros((nb, rows, len(groups)), dtype=np.float16)
+    biases = np.zeros_like(scales)
+
+    def params_for(block: np.ndarray, first: int, count: int, gsz: int, bits: int) -> None:
+        # block: [B, R, count*gsz] storage columns starting at group index `first`
+        wg = block.reshape(nb, rows, count, gsz)
+        wt = energy[:, g_start[first] : g_start[first] + count * gsz].reshape(-1, 1, count, gsz)
+        s, b = choose_group_params(wg, bits, wt, clip=clip, weighted=weighted_scales)
+        scales[:, :, first : first + count], biases[:, :, first : first + count] = s, b
+
+    if static_groups:  # all groups from the original weights, one call per segment
+        i = 0
+        while i < len(groups):
+            j = i
+            while j < len(groups) and groups[j][1:] == groups[i][1:] and gid[groups[j][0]] == j:
+                j += 1
+            g0, gsz, bits = groups[i]
+            params_for(ws[:, :, g0 : g0 + (j - i) * gsz], i, j - i, gsz, bits)
+            i = j
+
+    # blocks in processing order; without static groups they end on group boundaries
+    bounds = [0]
+    while bounds[-1] < k:
+        end = min(k, bounds[-1] + block_size)
+        if not static_groups:
+            g = gid[end - 1]
+            end = max(end, int(g_start[g] + groups[g][1]))
+        bounds.append(end)
+
+    wt_ = np.ascontiguousarray(ws[:, :, porder].transpose(0, 2, 1))  # [B, k, R] processing order
+    codes = np.zeros((nb, k, rows), dtype=np.uint8)
+    assumed = np.zeros((nb, k, rows), dtype=np.float32)
+    sp_of = porder
+    for b0, b1 in zip(bounds[:-1], bounds[1:]):
+        err = np.zeros((nb, b1 - b0, rows), dtype=np.float32)
+        for p in range(b0, b1):
+            sp = int(sp_of[p])
+            g = int(gid[sp])
+            if not static_groups and sp == g_start[g]:
+                gsz = groups[g][1]
+                params_for(wt_[:, p : p + gsz, :].transpose(0, 2, 1), g, 1, gsz, int(g_bits[g]))
+            s, bi = scales[:, :, g], biases[:, :, g]
+            col = wt_[:, p, :]
+            q = codes_f16(col, s, bi, int(g_bits[g]))
+            dq = dequant_f16(q, s, bi)
+            codes[:, sp, :] = q
+            assumed[:, sp, :] = dq
+            e = (col - dq) / u[:, p, p][:, None]
+            if p + 1 < b1:
+                wt_[:, p + 1 : b1, :] -= u[:, p, p + 1 : b1, None] * e[:, None, :]
+            err[:, p - b0, :] = e
+        if b1 < k:
+            wt_[:, b1:, :] -= np.matmul(u[:, b0:b1, b1:].transpose(0, 2, 1), err)
+    return GPTQResult(
+        codes=codes.transpose(0, 2, 1),
+        scales=scales,
+        biases=biases,
+        assumed=assumed.transpose(0, 2, 1),
+        order=np.asarray(order),
+        damp_abs=lam,
+        extra_damp=extra,
+    )
+
+
+def gptq_quantize(
+    w: mx.array | np.ndarray,
+    option: QuantOption,
+    gram: mx.array | np.ndarray,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = True,
+    clip: bool = True,
+    weighted_scales: bool = True,
+) -> QuantizedTensor:
+    """Quantize ``w`` with ``option`` by GPTQ error compensation against the input Gram ``gram``.
+
+    ``w``: ``[out, in]`` or expert bank ``[E, out, in]``. ``gram``: ``X^T X``
+    of the inputs this tensor sees, ``[in, in]`` (a bank with one shared
+    Hessian: one factorisation for all experts) or ``[E, in, in]`` (per
+    expert). For sequential quantization pass the Gram of the inputs produced
+    by the already-quantized earlier layers. ``damp`` adds ``damp *
+    mean(diag(H))`` to the diagonal. The result is an ordinary
+    :class:`~mlx_dq.quant.QuantizedTensor` (uniform options: natural channel
+    order, stock-MLX loadable; mixed options: act-order permutation). Its
+    ``stats`` carry the output/weight error and timing.
+    """
+    t0 = time.perf_counter()
+    shape = tuple(int(d) for d in w.shape)
+    if option.keep16:
+        return quantize_weight(mx.array(w) if isinstance(w, np.ndarray) else w, option)
+    if gram is None:
+        raise ValueError("gptq_quantize needs the Gram matrix X^T X of the tensor's inputs")
+    wm = mx.array(w) if isinstance(w, np.ndarray) else w
+    gm = mx.array(gram) if isinstance(gram, np.ndarray) else gram
+    w3, g3 = _as_banks(wm, gm)
+    in_f = shape[-1]
+    if not option.fits(in_f):
+        raise ValueError(f"option {option.desc} does not fit a tensor with {in_f} input channels")
+    wnp = np.array(w3.astype(mx.float32))
+    gnp = np.array(g3)
+    n_exp, out_f = wnp.shape[0], wnp.shape[1]
+    folded = gnp.shape[0] == 1 and n_exp > 1
+    if folded:  # one Hessian for every expert: experts are just more rows
+        wnp = wnp.reshape(1, n_exp * out_f, in_f)
+
+    mixed = option.is_mixed
+    energy = energy_order(in_f, g3)
+    if mixed:
+        order, process, static = energy, None, False
+    elif act_order:
+        order, static = np.arange(in_f), True
+        process = energy
+    else:
+        order, process, static = np.arange(in_f), None, False
+    res = gptq_core(
+        wnp,
+        gnp,
+        option,
+        order,
+        static_groups=static,
+        process_order=process,
+        damp=damp,
+        block_size=block_size,
+        clip=clip,
+        weighted_scales=weighted_scales,
+    )
+
+    perm = order.astype(np.uint16 if perm_bits(in_f) == 16 else np.uint32) if mixed else None
+    qt = QuantizedTensor(option, shape, perm=perm)
+    lead = (n_exp,) if len(shape) == 3 else ()
+    start = gstart = 0
+    for seg, k in zip(option.segments, option.split(in_f)):
+        if k == 0:
+            continue
+        ng = k // seg.group_size
+        codes = res.codes[:, :, start : start + k].reshape(*lead, out_f, k)
+        sc = res.scales[:, :, gstart : gstart + ng].reshape(*lead, out_f, ng)
+        bi = res.biases[:, :, gstart : gstart + ng].reshape(*lead, out_f, ng)
+        qt.parts.append((mx.array(pack_codes(codes, seg.bits)), mx.array(sc), mx.array(bi)))
+        qt.widths.append(k)
+        qt.bits.append(seg.bits)
+        qt.group_sizes.append(seg.group_size)
+        start += k
+        gstart += ng
+    wq = mx.array(res.assumed[:, :, np.argsort(order)].reshape(shape))
+    qt.stats = {
+        "method": "gptq",
+        "output_error": output_error(wm, wq, gm),
+        "weight_error": weight_error(wm, wq),
+        "damp": damp,
+        "extra_damp": res.extra_damp,
+        "act_order": bool(act_order or mixed),
+        "static_groups": static,
+        "clip": clip,
+        "weighted_scales": weighted_scales,
+        "hessian": "per_expert" if (len(shape) == 3 and not folded) else "shared",
+        "seconds": time.perf_counter() - t0,
+    }
+    return qt
