@@ -1,0 +1,212 @@
+"""Input capture: accumulate Gram matrices X^T X of the inputs of linear layers.
+
+Works on any ``mlx.nn.Module``: while a :class:`GramCollector` is active, every
+watched ``nn.Linear``, expert bank (mlx-lm ``SwitchLinear``) and ``nn.Embedding``
+(lookups and ``as_linear`` for tied heads) records what it receives; ``flush()``
+folds the recorded inputs into float32 Gram matrices. Modules fed the very same
+input array in one forward (q/k/v, gate/up) share one Gram matrix. Expert banks
+get one Gram matrix per expert, built from the tokens routed to that expert only.
+
+The capture swaps each watched instance's class for a subclass with a recording
+``__call__`` (Python looks ``__call__`` up on the type) and restores it on exit,
+so the model's own forward code runs unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+try:  # mlx-lm's expert bank; optional so the generic path needs only mlx
+    from mlx_lm.models.switch_layers import SwitchLinear
+except ImportError:  # pragma: no cover - mlx-lm is a dependency
+    SwitchLinear = None  # type: ignore[assignment,misc]
+
+
+def is_expert_bank(module: nn.Module) -> bool:
+    """True for an mlx-lm ``SwitchLinear`` (weight ``[experts, out, in]``)."""
+    return SwitchLinear is not None and isinstance(module, SwitchLinear)
+
+
+def quantizable_modules(module: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
+    """Linear layers, expert banks and embeddings of ``module``, keyed by dotted path.
+
+    ``prefix`` is prepended to every path (e.g. ``"model.layers.3."``).
+    """
+    found = {}
+    for path, mod in module.named_modules():
+        if path and (isinstance(mod, (nn.Linear, nn.Embedding)) or is_expert_bank(mod)):
+            found[prefix + path] = mod
+    return found
+
+
+@dataclass
+class InputStats:
+    """What one watched module saw: its (possibly shared) Gram matrix and row count.
+
+    ``gram`` is ``[in, in]`` for a linear layer or tied head, ``[experts, in, in]``
+    for an expert bank; ``token_counts`` (``[vocab]``) is set for embedding lookups.
+    ``group`` names every module that shares the same input.
+    """
+
+    gram: mx.array | None = None
+    rows: int = 0
+    expert_rows: np.ndarray | None = None
+    token_counts: np.ndarray | None = None
+    group: tuple[str, ...] = ()
+
+
+@dataclass
+class _Pending:
+    path: str
+    kind: str  # "linear", "bank", "lookup"
+    x: mx.array
+    indices: mx.array | None = None
+
+
+@dataclass
+class GramCollector:
+    """Context manager that records the inputs of ``modules`` and accumulates Grams.
+
+    ``expert_mode`` is ``"per_expert"`` (one Gram per expert from its routed
+    tokens: exact) or ``"shared"`` (one Gram over every routed token of the bank).
+    """
+
+    modules: dict[str, nn.Module]
+    expert_mode: str = "per_expert"
+    stats: dict[str, InputStats] = field(default_factory=dict)
+    lookups: dict[str, InputStats] = field(default_factory=dict)
+    _pending: list[_Pending] = field(default_factory=list)
+    _saved: dict[str, type] = field(default_factory=dict)
+    _groups: dict[tuple[str, ...], InputStats] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.expert_mode not in ("per_expert", "shared"):
+            raise ValueError(f"expert_mode must be 'per_expert' or 'shared', got {self.expert_mode!r}")
+
+    # ------------------------------------------------------------ patching
+    def __enter__(self) -> "GramCollector":
+        for path, mod in self.modules.items():
+            self._saved[path] = mod.__class__
+            mod.__class__ = _recording_class(mod.__class__, self, path)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for path, mod in self.modules.items():
+            if path in self._saved:
+                mod.__class__ = self._saved.pop(path)
+        self._pending.clear()
+
+    def record(self, path: str, kind: str, x: mx.array, indices: mx.array | None = None) -> None:
+        """Remember one input (called from the patched modules)."""
+        self._pending.append(_Pending(path, kind, x, indices))
+
+    # ---------------------------------------------------------- accumulation
+    def flush(self) -> None:
+        """Fold every input recorded since the last flush into the Gram matrices."""
+        by_input: dict[tuple, list[_Pending]] = {}
+        for p in self._pending:
+            key = (p.kind, id(p.x), id(p.indices) if p.indices is not None else 0)
+            by_input.setdefault(key, []).append(p)
+        self._pending.clear()
+        touched = []
+        for entries in by_input.values():
+            paths = tuple(sorted({e.path for e in entries}))
+            first = entries[0]
+            if first.kind == "lookup":
+                st = self.lookups.setdefault(first.path, InputStats(group=(first.path,)))
+                ids = np.asarray(first.x).reshape(-1).astype(np.int64)
+                vocab = int(self.modules[first.path].weight.shape[0])
+                counts = np.bincount(ids, minlength=vocab).astype(np.float64)
+                st.token_counts = counts if st.token_counts is None else st.token_counts + counts
+                st.rows += ids.size
+                continue
+            st = self._group_stats(paths)
+            if first.kind == "bank":
+                gram, rows, per_expert = self._bank_gram(first)
+                st.expert_rows = per_expert if st.expert_rows is None else st.expert_rows + per_expert
+            else:
+                xf = first.x.reshape(-1, first.x.shape[-1]).astype(mx.float32)
+                gram, rows = xf.T @ xf, xf.shape[0]
+            st.gram = gram if st.gram is None else st.gram + gram
+            st.rows += rows
+            touched.append(st.gram)
+        if touched:
+            mx.eval(touched)
+
+    def _group_stats(self, paths: tuple[str, ...]) -> InputStats:
+        st = self._groups.get(paths)
+        if st is None:
+            st = InputStats(group=paths)
+            self._groups[paths] = st
+            for p in paths:
+                if p in self.stats and self.stats[p] is not st:
+                    raise RuntimeError(f"{p} received inputs shared with different modules across batches")
+                self.stats[p] = st
+        return st
+
+    def _bank_gram(self, p: _Pending) -> tuple[mx.array, int, np.ndarray]:
+        x, idx = p.x, p.indices
+        n_exp = int(self.modules[p.path].weight.shape[0])
+        d = x.shape[-1]
+        bshape = tuple(np.broadcast_shapes(tuple(x.shape[:-2]), tuple(idx.shape)))
+        xf = mx.broadcast_to(x, bshape + tuple(x.shape[-2:])).reshape(-1, d).astype(mx.float32)
+        reps = xf.shape[0] // int(np.prod(bshape))  # rows per routed token (1 in mlx-lm)
+        flat_idx = np.repeat(np.asarray(mx.broadcast_to(idx, bshape)).reshape(-1), reps)
+        counts = np.bincount(flat_idx, minlength=n_exp)
+        if self.expert_mode == "shared":
+            gram = (xf.T @ xf)[None]
+            return gram, xf.shape[0], counts
+        order = np.argsort(flat_idx, kind="stable")
+        xs = xf[mx.array(order.astype(np.int32))]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        blocks = []
+        for e in range(n_exp):
+            if counts[e] == 0:
+                blocks.append(mx.zeros((d, d), dtype=mx.float32))
+            else:
+                xe = xs[int(starts[e]) : int(starts[e + 1])]
+                blocks.append(xe.T @ xe)
+        return mx.stack(blocks), xf.shape[0], counts
+
+
+def _recording_class(cls: type, collector: GramCollector, path: str) -> type:
+    """A subclass of ``cls`` whose calls report their inputs to ``collector``."""
+
+    if issubclass(cls, nn.Embedding):
+
+        def call(self, x):
+            collector.record(path, "lookup", x)
+            return cls.__call__(self, x)
+
+        def as_linear(self, x):
+            collector.record(path, "linear", x)
+            return cls.as_linear(self, x)
+
+        return type(cls.__name__, (cls,), {"__call__": call, "as_linear": as_linear})
+
+    if SwitchLinear is not None and issubclass(cls, SwitchLinear):
+
+        def call(self, x, indices, *args, **kwargs):
+            collector.record(path, "bank", x, indices)
+            return cls.__call__(self, x, indices, *args, **kwargs)
+
+        return type(cls.__name__, (cls,), {"__call__": call})
+
+    def call(self, x, *args, **kwargs):
+        collector.record(path, "linear", x)
+        return cls.__call__(self, x, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__call__": call})
+
+
+def iter_batches(n: int, batch: int) -> Iterator[slice]:
+    """Consecutive slices of ``range(n)`` of at most ``batch`` items."""
+    if batch < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch}")
+    for s in range(0, n, batch):
+        yield slice(s, min(n, s + batch))

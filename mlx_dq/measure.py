@@ -1,0 +1,690 @@
+"""The sensitivity measurer: how much each quantization option hurts each tensor.
+
+``measure`` streams a model layer by layer over calibration rows: it embeds the
+rows, then for each decoder layer loads only that layer's weights, runs the
+layer in float32 through mlx-lm's own code while capturing the inputs of every
+linear layer (Gram matrices ``X^T X``, see :mod:`mlx_dq.capture`), measures
+every option of the tensor's grid role and frees the layer. Peak memory is one
+layer plus the hidden states of the calibration rows, independent of depth.
+
+The output error of an option is ``||X(Wq-W)^T||_F / ||X W^T||_F`` on the
+captured inputs, computed exactly from the Gram matrix. Errors are made
+comparable across layers by an *importance* per tensor, defined so that
+``importance * err**2`` predicts the damage of quantizing that tensor:
+
+- ``"residual"`` (default): quantize only that tensor at a reference option
+  (``1.0:3b_64g``), rerun its decoder layer on a few rows and take the relative
+  squared change of the layer's residual-stream output, divided by the tensor's
+  own squared error on those rows. The embedding's lookup output *is* the
+  residual stream (importance 1); the head's output is the logits (importance 1).
+- ``"kl"`` (opt-in, needs the whole model in memory): the end-to-end KL
+  divergence of the next-token distribution when only that tensor is quantized
+  at the reference option, divided by its squared error.
+- ``"none"``: importance 1 everywhere.
+
+Resumable: after each layer the measurement file is written atomically with
+``last_module_idx`` and the hidden states are saved next to it
+(``<file>.state.safetensors``); a restart continues from the next layer and the
+result equals an uninterrupted run.
+
+``measure_module`` is the generic path for any ``mlx.nn.Module``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from tqdm import tqdm
+
+from .capture import GramCollector, InputStats, is_expert_bank, iter_batches, quantizable_modules
+from .measurement import Measurement, TensorRecord, load_measurement, save_measurement
+from .options import QuantOption
+from .quant import output_error, quantize_weight, weight_error
+
+DEFAULT_ROWS = 32
+DEFAULT_SEQ_LEN = 512
+DEFAULT_BATCH = 4
+DEFAULT_IMPORTANCE_ROWS = 4
+REFERENCE_OPTION = "1.0:3b_64g"
+IMPORTANCE_MODES = ("residual", "kl", "none")
+TIMING_KEYS = ("timing",)  # fields that differ between otherwise identical runs
+
+
+# --------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------
+class _StopForward(Exception):
+    """Raised by a patched layer to end a probing forward pass early."""
+
+
+@contextmanager
+def _patched_calls(modules: Sequence[nn.Module], make: Callable[[int, type], Callable]) -> Iterator[None]:
+    """Temporarily give ``modules[j]`` the ``__call__`` returned by ``make(j, original_class)``."""
+    saved = [m.__class__ for m in modules]
+    try:
+        for j, m in enumerate(modules):
+            m.__class__ = type(saved[j].__name__, (saved[j],), {"__call__": make(j, saved[j])})
+        yield
+    finally:
+        for m, cls in zip(modules, saved):
+            m.__class__ = cls
+
+
+def _layer_prefix(model: nn.Module, layers: Sequence[nn.Module]) -> str:
+    """Dotted prefix of the decoder layers in ``model`` (e.g. ``"model.layers."``)."""
+    for path, mod in model.named_modules():
+        if mod is layers[0]:
+            return path[: -len("0")]
+    raise ValueError("the model's decoder layers are not among its modules")
+
+
+def _load_into(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Load ``weights`` (full parameter paths) into ``model``, sanitizing raw names when needed."""
+    params = dict(tree_flatten(model.parameters()))
+    if any(k not in params for k in weights) and hasattr(model, "sanitize"):
+        weights = model.sanitize(dict(weights))
+    unknown = sorted(k for k in weights if k not in params)
+    if unknown:
+        raise ValueError(f"weights not in the model: {unknown[:5]}")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(params[k].shape):
+            raise ValueError(f"{k}: weight shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}")
+    model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=False)
+
+
+def _free(module: nn.Module) -> None:
+    """Drop a module's loaded parameters (replaced by empty arrays) so their memory is released."""
+    module.update(tree_map(lambda _: mx.zeros((0,), dtype=mx.float32), module.parameters()))
+
+
+def _digest(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else json.dumps(p, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def _energy_summary(stats: InputStats) -> dict[str, float]:
+    """Compact activation-energy figures from the Gram diagonal (what act-order sorts by)."""
+    g = stats.gram
+    diag = np.asarray(mx.diagonal(g, axis1=-2, axis2=-1).reshape(-1, g.shape[-1]).sum(0), dtype=np.float64)
+    total = float(diag.sum())
+    if total <= 0:
+        return {"top1pct": 0.0, "top10pct": 0.0, "max_over_mean": 0.0}
+    s = np.sort(diag)[::-1]
+    k1, k10 = max(1, math.ceil(0.01 * s.size)), max(1, math.ceil(0.10 * s.size))
+    return {
+        "top1pct": round(float(s[:k1].sum() / total), 6),
+        "top10pct": round(float(s[:k10].sum() / total), 6),
+        "max_over_mean": round(float(s[0] / (total / s.size)), 4),
+    }
+
+
+def _lookup_error(w: mx.array, wq: mx.array, counts: np.ndarray) -> float:
+    """Relative error of embedding lookups weighted by how often each token occurs."""
+    c = mx.array(counts.astype(np.float32))[:, None]
+    w32 = w.astype(mx.float32)
+    d = wq.astype(mx.float32) - w32
+    return float(mx.sqrt((c * d * d).sum() / (c * w32 * w32).sum()).item())
+
+
+def reference_option(options: Sequence[QuantOption], in_features: int, ref: str = REFERENCE_OPTION) -> QuantOption:
+    """The reference option for importance: ``ref`` when it fits, else the fitting option nearest in bpw."""
+    want = QuantOption.parse(ref)
+    if want.fits(in_features):
+        return want
+    fitting = [o for o in options if not o.keep16 and o.fits(in_features)]
+    if not fitting:
+        raise ValueError(f"no option fits a tensor with {in_features} input features")
+    return min(fitting, key=lambda o: (abs(o.nominal_bpw() - want.nominal_bpw()), o.desc))
+
+
+# --------------------------------------------------------------------------
+# per-tensor measurement
+# --------------------------------------------------------------------------
+def measure_tensor(
+    key: str,
+    w: mx.array,
+    options: Sequence[QuantOption],
+    stats: InputStats | None,
+    role: str,
+    lookup: InputStats | None = None,
+    clip: bool = True,
+) -> TensorRecord:
+    """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
+
+    ``stats`` holds the Gram matrix of the tensor's inputs (a linear layer or tied
+    head); ``lookup`` the token counts of an embedding used as a lookup table.
+    """
+    shape = tuple(int(d) for d in w.shape)
+    gram = stats.gram if stats is not None else None
+    quant_gram = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
+    rec = TensorRecord(key, shape, role=role)
+    for opt in options:
+        if not opt.fits(shape[-1]):
+            continue
+        qt = quantize_weight(w, opt, gram=quant_gram, clip=clip)
+        wq = qt.dequantize(mx.float32)
+        if gram is not None:
+            err = output_error(w, wq, gram[0] if gram.ndim == 3 and gram.shape[0] == 1 else gram)
+        elif lookup is not None:
+            err = _lookup_error(w, wq, lookup.token_counts)
+        else:
+            err = weight_error(w, wq)
+        clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
+        rec.add_option(opt, err, weight_err=weight_error(w, wq), clip=clip_stats or None)
+    if not rec.options:
+        raise ValueError(f"{key}: no option of role {role!r} fits shape {shape}")
+    if stats is not None:
+        rec.extra["act_energy"] = _energy_summary(stats)
+        rec.extra["input_rows"] = int(stats.rows)
+        shared = [p for p in stats.group if p != key]
+        if shared:
+            rec.extra["shares_input_with"] = shared
+    elif lookup is not None:
+        rec.extra["input_rows"] = int(lookup.rows)
+        rec.extra["err_kind"] = "lookup"
+    return rec
+
+
+# --------------------------------------------------------------------------
+# running the model's own code one layer at a time
+# --------------------------------------------------------------------------
+def probe_layers(model: nn.Module, tokens: mx.array) -> tuple[mx.array, list[tuple[tuple, dict]]]:
+    """Run ``model`` on ``tokens`` up to its first decoder layer and record every layer's call.
+
+    Returns the first layer's input (the embedded rows, scaled as the model
+    scales them) and, per layer, the other arguments it is called with (masks,
+    caches), so each layer can later be run alone exactly as the model runs it.
+    Only the embedding's weights are needed.
+    """
+    layers = model.layers
+    calls: list[tuple[tuple, dict] | None] = [None] * len(layers)
+    first: list[mx.array] = []
+
+    def make(j: int, cls: type) -> Callable:
+        def call(self, h, *args, **kwargs):
+            if j == 0:
+                first.append(h)
+            calls[j] = (args, kwargs)
+            if j == len(layers) - 1:
+                raise _StopForward
+            return h
+
+        return call
+
+    with _patched_calls(layers, make):
+        try:
+            model(tokens)
+        except _StopForward:
+            pass
+    if not first or any(c is None for c in calls):
+        raise ValueError("the model's forward did not call every decoder layer once")
+    return first[0].astype(mx.float32), calls  # type: ignore[return-value]
+
+
+def head_logits(model: nn.Module, tokens: mx.array, hidden: mx.array) -> mx.array:
+    """Logits the model produces when its last decoder layer outputs ``hidden``.
+
+    Runs the model's own forward with the decoder layers replaced by a
+    pass-through that injects ``hidden``, so the final norm, head (tied or not)
+    and any logit scaling are mlx-lm's.
+    """
+
+    def make(j: int, cls: type) -> Callable:
+        def call(self, h, *args, **kwargs):
+            return hidden if j == 0 else h
+
+        return call
+
+    with _patched_calls(model.layers, make):
+        return model(tokens).astype(mx.float32)
+
+
+def _nll_sum(logits: mx.array, tokens: mx.array) -> float:
+    loss = nn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:], reduction="sum")
+    return float(loss.item())
+
+
+# --------------------------------------------------------------------------
+# importance
+# --------------------------------------------------------------------------
+def residual_importance(
+    layer: nn.Module,
+    h: mx.array,
+    call: tuple[tuple, dict],
+    mods: dict[str, nn.Module],
+    refs: dict[str, mx.array],
+    expert_mode: str = "per_expert",
+) -> dict[str, dict[str, float]]:
+    """Per tensor: relative squared change of ``layer``'s output when only it uses ``refs[path]``.
+
+    Returns ``{path: {"damage", "err", "importance"}}`` with ``importance =
+    damage / err**2``, both measured on the rows ``h``.
+    """
+    args, kwargs = call
+    with GramCollector(mods, expert_mode) as col:
+        ref = layer(h, *args, **kwargs)
+        mx.eval(ref)
+        col.flush()
+    energy = float((ref * ref).sum().item())
+    out = {}
+    for path, wq in refs.items():
+        mod = mods[path]
+        w = mod.weight
+        mod.weight = wq
+        try:
+            y = layer(h, *args, **kwargs)
+            damage = float(((y - ref) ** 2).sum().item()) / energy
+        finally:
+            mod.weight = w
+        err = output_error(w, wq, col.stats[path].gram)
+        out[path] = {"damage": damage, "err": err, "importance": damage / err**2 if err > 0 else 0.0}
+    return out
+
+
+# --------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------
+def _state_path(path: Path) -> Path:
+    return path.with_name(path.name + ".state.safetensors")
+
+
+def _save_state(path: Path, hidden: mx.array, layer: int, settings: str) -> None:
+    sp = _state_path(path)
+    tmp = sp.with_name(sp.name.replace(".state.safetensors", ".state.tmp.safetensors"))
+    mx.save_safetensors(str(tmp), {"hidden": hidden}, metadata={"layer": str(layer), "settings": settings})
+    os.replace(tmp, sp)
+
+
+def _load_state(path: Path, settings: str) -> tuple[mx.array, int] | None:
+    sp = _state_path(path)
+    if not sp.exists():
+        return None
+    arrays, meta = mx.load(str(sp), return_metadata=True)
+    if meta.get("settings") != settings:
+        return None
+    return arrays["hidden"], int(meta["layer"])
+
+
+def strip_timing(doc: dict) -> dict:
+    """A measurement JSON document without its timing fields (for comparing runs)."""
+    out = dict(doc)
+    out["extra"] = {k: v for k, v in (doc.get("extra") or {}).items() if k not in TIMING_KEYS}
+    return out
+
+
+# --------------------------------------------------------------------------
+# the streaming measurer
+# --------------------------------------------------------------------------
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("mlx", "mlx-lm", "mlx-dq"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out
+
+
+def _grid_options(grid: dict[str, list[QuantOption]], role: str, key: str) -> list[QuantOption]:
+    if role not in grid:
+        raise ValueError(f"{key}: the grid has no options for role {role!r} (roles: {sorted(grid)})")
+    return list(grid[role])
+
+
+def measure(
+    spec_or_source: Any,
+    *,
+    calib: str | Path | None = None,
+    rows: int = DEFAULT_ROWS,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    seed: int = 0,
+    grid: str | Path | None = None,
+    out_path: str | Path | None = None,
+    resume: bool = True,
+    importance: str = "residual",
+    importance_rows: int = DEFAULT_IMPORTANCE_ROWS,
+    batch_size: int = DEFAULT_BATCH,
+    expert_mode: str = "per_expert",
+    clip: bool = True,
+    progress: bool = True,
+    _fail_after_layer: int | None = None,
+) -> Measurement:
+    """Measure every quantizable tensor of a model under every option of its grid role.
+
+    Streams one decoder layer at a time (see the module docstring); writes and
+    resumes ``out_path`` when given; returns the in-memory measurement.
+    """
+    from . import calib as calib_mod
+    from .grids import load_grid, role_of
+    from .sources import build_model, resolve
+
+    if importance not in IMPORTANCE_MODES:
+        raise ValueError(f"importance must be one of {IMPORTANCE_MODES}, got {importance!r}")
+    if rows < 1 or seq_len < 2 or batch_size < 1 or importance_rows < 1:
+        raise ValueError(
+            "need rows >= 1, seq_len >= 2, batch_size >= 1 and importance_rows >= 1; got "
+            f"rows={rows}, seq_len={seq_len}, batch_size={batch_size}, importance_rows={importance_rows}"
+        )
+    t_start = time.perf_counter()
+    source = resolve(str(spec_or_source)) if isinstance(spec_or_source, (str, Path)) else spec_or_source
+    texts = calib_mod.load_texts(calib) if calib else calib_mod.default_calibration_texts()
+    tokens = calib_mod.sample_rows(source.tokenizer(), texts, rows, seq_len, seed)
+    grid_map = load_grid(grid)
+    model = build_model(source.config)
+    layers = model.layers
+    prefix = _layer_prefix(model, layers)
+    n_imp = min(importance_rows, rows)
+
+    m = Measurement(
+        model={
+            "spec": str(getattr(source, "spec", spec_or_source)),
+            "model_type": source.config.get("model_type"),
+            "num_layers": len(layers),
+            "fingerprint": source.fingerprint(),
+        },
+        calibration={
+            "source": str(calib) if calib else "default",
+            "text_digest": calib_mod.text_digest(texts),
+            "rows": rows,
+            "seq_len": seq_len,
+            "seed": seed,
+            "tokens_digest": _digest(np.asarray(tokens).tobytes()),
+        },
+        grid={"source": str(grid) if grid else "default",
+              "roles": {r: [o.desc for o in opts] for r, opts in sorted(grid_map.items())}},
+        versions=_versions(),
+        last_module_idx=-1,
+    )
+    m.extra = {
+        "importance": {"method": importance, "reference": REFERENCE_OPTION, "rows": n_imp,
+                       "predicts": "damage ~ importance * err**2"},
+        "expert_gram": expert_mode,
+        "clip": clip,
+        "complete": False,
+    }
+    settings = _digest(m.model, m.calibration, m.grid, m.extra)
+    m.extra["settings_digest"] = settings
+    m.extra["timing"] = {"layers_s": [], "total_s": None}
+    out = Path(out_path) if out_path is not None else None
+
+    start_layer = 0
+    hidden: mx.array | None = None
+    if out is not None and resume and out.exists():
+        old = load_measurement(out)
+        if old.extra.get("settings_digest") != settings:
+            raise ValueError(
+                f"{out} was measured with different settings (model, calibration, grid or importance); "
+                "pass resume=False (--no-resume) to overwrite it"
+            )
+        if old.extra.get("complete"):
+            return old
+        state = _load_state(out, settings)
+        if state is not None and state[1] <= (old.last_module_idx or -1):
+            hidden, done = state
+            start_layer = done + 1
+            keep = tuple(f"{prefix}{i}." for i in range(start_layer))
+            m.tensors = {k: t for k, t in old.tensors.items() if k.startswith(keep)}
+            m.last_module_idx = done
+            m.extra["timing"]["layers_s"] = list(old.extra.get("timing", {}).get("layers_s", []))[:start_layer]
+
+    # embed (and record the layers' call arguments) with only the non-layer weights loaded
+    _load_into(model, dict(source.other_weights()))
+    batches = list(iter_batches(rows, batch_size))
+    calls, firsts = [], []
+    embed_mods = {p: mod for p, mod in quantizable_modules(model).items() if isinstance(mod, nn.Embedding)}
+    with GramCollector(embed_mods, expert_mode) as embed_col:
+        for sl in batches:
+            h0, call = probe_layers(model, tokens[sl])
+            mx.eval(h0)
+            embed_col.flush()
+            calls.append(call)
+            firsts.append(h0)
+    embed_lookup = dict(embed_col.lookups)
+    if hidden is None:
+        hidden = mx.concatenate(firsts, axis=0)
+    del firsts
+
+    bar = tqdm(total=len(layers), desc="measure", unit="layer", disable=not progress, initial=start_layer)
+    for i in range(start_layer, len(layers)):
+        t0 = time.perf_counter()
+        layer = layers[i]
+        _load_into(model, dict(source.layer_weights(i)))
+        mods = {p: mod for p, mod in quantizable_modules(layer, prefix=f"{prefix}{i}.").items()
+                if role_of(p) is not None}
+        new_hidden = []
+        with GramCollector(mods, expert_mode) as col:
+            for b, sl in enumerate(batches):
+                args, kwargs = calls[b][i]
+                y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
+                mx.eval(y)
+                col.flush()
+                new_hidden.append(y)
+        records, refs = [], {}
+        for path, mod in mods.items():
+            role = role_of(path)
+            opts = _grid_options(grid_map, role, path)
+            rec = measure_tensor(path, mod.weight, opts, col.stats.get(path), role, clip=clip)
+            records.append(rec)
+            if importance == "residual":
+                ref = reference_option(opts, int(mod.weight.shape[-1]))
+                gram = col.stats[path].gram
+                refs[path] = quantize_weight(mod.weight, ref, gram=gram.sum(0) if gram.ndim == 3 else gram,
+                                             clip=clip).dequantize(mx.float32)
+                rec.extra["importance_ref"] = ref.desc
+        if importance == "residual":
+            imp = residual_importance(layer, hidden[:n_imp], calls[0][i], mods, refs, expert_mode)
+            for rec in records:
+                r = imp[rec.key]
+                rec.importance = r["importance"]
+                rec.extra["importance_detail"] = {"damage": r["damage"], "err": r["err"]}
+        hidden = mx.concatenate(new_hidden, axis=0)
+        del new_hidden, refs, col
+        _free(layer)
+        for rec in records:
+            m.tensors[rec.key] = rec
+        m.last_module_idx = i
+        m.extra["timing"]["layers_s"].append(round(time.perf_counter() - t0, 3))
+        if out is not None:
+            save_measurement(m, out)
+            _save_state(out, hidden, i, settings)
+        bar.update(1)
+        if _fail_after_layer is not None and i == _fail_after_layer:
+            raise RuntimeError(f"simulated interruption after layer {i}")
+    bar.close()
+
+    # head and embedding: the final hidden states through the model's own norm and head
+    head_mods = {p: mod for p, mod in quantizable_modules(model).items()
+                 if not p.startswith(prefix) and role_of(p) is not None}
+    nll = 0.0
+    with GramCollector(head_mods, expert_mode) as head_col:
+        for sl in batches:
+            logits = head_logits(model, tokens[sl], hidden[sl])
+            nll += _nll_sum(logits, tokens[sl])
+            head_col.flush()
+            del logits
+    m.base_perplexity = math.exp(nll / (rows * (seq_len - 1)))
+    for path, mod in head_mods.items():
+        role = role_of(path)
+        stats = head_col.stats.get(path)
+        lookup = embed_lookup.get(path) if stats is None else None
+        rec = measure_tensor(path, mod.weight, _grid_options(grid_map, role, path), stats, role,
+                             lookup=lookup, clip=clip)
+        if stats is not None and path in embed_lookup:
+            m.tied = {"lm_head": path}
+            rec.extra["tied_head"] = True
+        m.tensors[path] = rec
+    if importance == "kl":
+        kl_importance(source, m, tokens[:n_imp], grid_map, clip=clip, progress=progress)
+    m.extra["complete"] = True
+    m.extra["timing"]["total_s"] = round(time.perf_counter() - t_start, 3)
+    if out is not None:
+        save_measurement(m, out)
+        _state_path(out).unlink(missing_ok=True)
+    return m
+
+
+def kl_importance(source: Any, m: Measurement, tokens: mx.array, grid_map: dict, clip: bool = True,
+                  progress: bool = True) -> None:
+    """Set each tensor's importance to end-to-end KL / err**2 at its reference option (whole model in memory)."""
+    from .grids import role_of
+
+    model = source.model(mx.float32)
+    mods = {p: mod for p, mod in quantizable_modules(model).items() if p in m.tensors}
+    options = {p: reference_option(grid_map[role_of(p)], int(mod.weight.shape[-1])) for p, mod in mods.items()}
+    results = tensor_kl(model, tokens, mods, options, clip=clip, progress=progress)
+    for key, r in results.items():
+        rec = m.tensors[key]
+        rec.importance = r["kl"] / r["err"] ** 2 if r["err"] > 0 else 0.0
+        rec.extra["importance_detail"] = r
+        rec.extra["importance_ref"] = r["option"]
+
+
+def tensor_kl(
+    model: nn.Module,
+    tokens: mx.array,
+    mods: dict[str, nn.Module],
+    options: dict[str, QuantOption],
+    clip: bool = True,
+    progress: bool = False,
+) -> dict[str, dict[str, float]]:
+    """End-to-end KL(fp || quantized) per tensor when only that tensor is quantized with ``options[path]``.
+
+    ``model`` has all weights loaded. Returns ``{path: {"kl", "err", "option"}}``
+    where ``err`` is the tensor's relative output error on the same ``tokens``.
+    KL is the mean over all positions, in nats.
+    """
+    layers = model.layers
+    prefix = _layer_prefix(model, layers)
+    with GramCollector(mods) as col:
+        h, calls = probe_layers(model, tokens)
+        col.flush()
+        hs = [h]
+        for j, layer in enumerate(layers):
+            args, kwargs = calls[j]
+            h = layer(h, *args, **kwargs).astype(mx.float32)
+            mx.eval(h)
+            col.flush()
+            hs.append(h)
+        ref_logp = nn.log_softmax(head_logits(model, tokens, h), axis=-1)
+        mx.eval(ref_logp)
+        col.flush()
+    out = {}
+    for path in tqdm(list(mods), desc="kl", disable=not progress):
+        mod = mods[path]
+        stats = col.stats.get(path)
+        gram = None if stats is None else (stats.gram.sum(0) if stats.gram.ndim == 3 else stats.gram)
+        wq = quantize_weight(mod.weight, options[path], gram=gram, clip=clip).dequantize(mx.float32)
+        w = mod.weight
+        mod.weight = wq
+        try:
+            if path.startswith(prefix):
+                i = int(path[len(prefix):].split(".")[0])
+                x = hs[i]
+                for j in range(i, len(layers)):
+                    args, kwargs = calls[j]
+                    x = layer_out = layers[j](x, *args, **kwargs).astype(mx.float32)
+                logits = head_logits(model, tokens, layer_out)
+            else:  # embedding or head: the whole model
+                logits = model(tokens).astype(mx.float32)
+            logp = nn.log_softmax(logits, axis=-1)
+            kl = float((mx.exp(ref_logp) * (ref_logp - logp)).sum(-1).mean().item())
+        finally:
+            mod.weight = w
+        if stats is not None:
+            err = output_error(w, wq, stats.gram if stats.gram.ndim == 2 or stats.gram.shape[0] > 1 else stats.gram[0])
+        else:
+            lk = col.lookups[path]
+            err = _lookup_error(w, wq, lk.token_counts)
+        out[path] = {"kl": kl, "err": err, "option": options[path].desc}
+    return out
+
+
+# --------------------------------------------------------------------------
+# generic path: any mlx.nn.Module
+# --------------------------------------------------------------------------
+def measure_module(
+    module: nn.Module,
+    inputs: Sequence[Any],
+    grid: str | Path | dict | None = None,
+    *,
+    importance: bool = True,
+    clip: bool = True,
+    role: Callable[[str], str | None] | None = None,
+) -> Measurement:
+    """Measure every ``nn.Linear`` of any module on ``inputs`` (a list of batches; tuples are unpacked).
+
+    Importance is the relative squared change of the module's output when only
+    that tensor is quantized at the reference option, divided by its squared error.
+    """
+    from .grids import load_grid, role_of
+
+    role = role or role_of
+    grid_map = grid if isinstance(grid, dict) else load_grid(grid)
+    if not inputs:
+        raise ValueError("measure_module needs at least one input batch")
+    mods = {p: m for p, m in quantizable_modules(module).items() if isinstance(m, nn.Linear)}
+    if not mods:
+        raise ValueError("the module has no nn.Linear layers to measure")
+
+    def run(batch: Any) -> mx.array:
+        y = module(*batch) if isinstance(batch, tuple) else module(batch)
+        return y.astype(mx.float32)
+
+    refs_out = []
+    with GramCollector(mods) as col:
+        for batch in inputs:
+            y = run(batch)
+            mx.eval(y)
+            col.flush()
+            refs_out.append(y)
+    energy = sum(float((y * y).sum().item()) for y in refs_out)
+    tensors = []
+    for path, mod in mods.items():
+        r = role(path)
+        opts = _grid_options(grid_map, r, path) if r is not None else None
+        if opts is None:
+            continue
+        rec = measure_tensor(path, mod.weight, opts, col.stats[path], r, clip=clip)
+        if importance:
+            ref = reference_option(opts, int(mod.weight.shape[-1]))
+            wq = quantize_weight(mod.weight, ref, gram=col.stats[path].gram, clip=clip).dequantize(mx.float32)
+            w = mod.weight
+            mod.weight = wq
+            try:
+                damage = sum(float(((run(b) - y) ** 2).sum().item()) for b, y in zip(inputs, refs_out)) / energy
+            finally:
+                mod.weight = w
+            err = output_error(w, wq, col.stats[path].gram)
+            rec.importance = damage / err**2 if err > 0 else 0.0
+            rec.extra["importance_ref"] = ref.desc
+            rec.extra["importance_detail"] = {"damage": damage, "err": err}
+        tensors.append(rec)
+    m = Measurement(
+        model={"spec": type(module).__name__, "model_type": None, "num_layers": None, "fingerprint": None},
+        calibration={"source": "inputs", "batches": len(inputs)},
+        grid={"source": "dict" if isinstance(grid, dict) else (str(grid) if grid else "default"),
+              "roles": {k: [o.desc for o in v] for k, v in sorted(grid_map.items())}},
+        versions=_versions(),
+        last_module_idx=None,
+    )
+    m.extra = {"importance": {"method": "module_output" if importance else "none", "reference": REFERENCE_OPTION,
+                              "predicts": "damage ~ importance * err**2"},
+               "clip": clip, "complete": True}
+    m.tensors = {t.key: t for t in tensors}
+    return m
