@@ -67,12 +67,6 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation of Q/K rows (the inverse of :func:`unpermute_qk`), for writing GGUF files."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 class GGUFFile:
     """A memory-mapped GGUF model: HF-named tensors, an mlx-lm config, tokenizer files."""
 

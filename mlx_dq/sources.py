@@ -345,8 +345,9 @@ def _hub_source(spec: str) -> ModelSource:
         folder = Path(snapshot_download(spec, allow_patterns=HUB_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
     except Exception as e:  # offline, unknown repo, gated, network failure: all end here
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else f"{type(e).__name__}: {e}"
-        raise ValueError(f"cannot get Hugging Face model {spec!r}: {why}") from e
+        detail = (str(e).strip().splitlines() or [""])[0]
+        why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else f"{type(e).__name__}: {detail}"
+        raise ValueError(f"cannot get Hugging Face model {spec!r} (no such local path either): {why}") from e
     return _folder_source(spec, folder, "hub")
 
 

@@ -75,7 +75,7 @@ def tiny_config(
     top_k: int = 2,
     tie: bool | None = None,
 ) -> dict:
-    """An HF-style config.json dict for a tiny llama / qwen2 / qwen3_moe model."""
+    """An HF-style config.json dict for a tiny llama / qwen2 / qwen3_moe / gemma3_text model."""
     tok = tiny_tokenizer(vocab_size)
     cfg = {
         "model_type": model_type,
@@ -89,7 +89,7 @@ def tiny_config(
         "vocab_size": vocab_size,
         "rope_theta": 10000.0,
         "max_position_embeddings": 512,
-        "tie_word_embeddings": model_type == "qwen2" if tie is None else tie,
+        "tie_word_embeddings": model_type in ("qwen2", "gemma3_text") if tie is None else tie,
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
     }
@@ -97,6 +97,14 @@ def tiny_config(
         cfg["architectures"] = ["LlamaForCausalLM"]
     elif model_type == "qwen2":
         cfg["architectures"] = ["Qwen2ForCausalLM"]
+    elif model_type == "gemma3_text":
+        cfg.update(
+            architectures=["Gemma3ForCausalLM"],
+            query_pre_attn_scalar=hidden // heads,
+            sliding_window=512,
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=10000.0,
+        )
     elif model_type == "qwen3_moe":
         cfg.update(
             architectures=["Qwen3MoeForCausalLM"],
@@ -177,3 +185,145 @@ def make_tiny_model_folder(
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     save_tokenizer(folder, config["vocab_size"])
     return folder
+
+
+# -- GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them ------------------------------
+
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` of Q/K rows (HF half-split rotary -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf: str, model_type: str) -> str:
+    base, kind = hf.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, bid, rest = base.split(".", 3)
+        if rest == "post_attention_layernorm":
+            leaf = "post_attention_norm" if model_type == "gemma3_text" else "ffn_norm"
+        elif rest == "pre_feedforward_layernorm":
+            leaf = "ffn_norm"
+        elif rest == "post_feedforward_layernorm":
+            leaf = "post_ffw_norm"
+        else:
+            leaf = GGUF_NAMES[rest]
+        return f"blk.{bid}.{leaf}.{kind}"
+    return f"{GGUF_NAMES[base]}.{kind}"
+
+
+def random_q4_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random but valid Q4_K blocks (144 bytes per 256 weights) for a ``[rows, cols]`` tensor."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    n_blocks = cols // 256
+    blocks = rng.integers(0, 256, size=(rows, n_blocks, 144), dtype=np.uint8)
+    scales = np.stack([rng.uniform(0.002, 0.01, (rows, n_blocks)), rng.uniform(0.0, 0.01, (rows, n_blocks))], -1)
+    blocks[..., :4] = scales.astype(np.float16).view(np.uint8).reshape(rows, n_blocks, 4)
+    out = blocks.reshape(rows, n_blocks * 144)
+    assert gguf.quants.quant_shape_from_byte_shape(out.shape, gguf.GGMLQuantizationType.Q4_K) == (rows, cols)
+    return out
+
+
+def write_tiny_gguf(
+    path: Path,
+    config: dict,
+    weights: dict[str, mx.array],
+    qtypes: dict[str, str] | None = None,
+    default_qtype: str = "F32",
+) -> dict[str, np.ndarray]:
+    """Write ``weights`` (HF names) as a GGUF for llama/qwen2/gemma3 the way llama.cpp does; return what was stored.
+
+    ``qtypes`` maps a substring of an HF name to a GGML type name ("Q8_0", "Q4_K", "F16", ...);
+    "Q4_K" stores random valid blocks (the gguf package cannot quantize K-quants) instead of the weight.
+    The returned dict holds, per HF name, the float weight the file now represents in HF layout.
+    """
+    import gguf
+
+    arch = GGUF_ARCH[config["model_type"]]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+
+    tok = tiny_tokenizer(config["vocab_size"])
+    state = json.loads(tok.backend_tokenizer.to_str())
+    vocab = sorted(state["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = set(SPECIAL_TOKENS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    qtypes = qtypes or {}
+    stored: dict[str, np.ndarray] = {}
+    for i, (name, w) in enumerate(weights.items()):
+        if config.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        w = np.array(w.astype(mx.float32))
+        hf_w = w
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1.0
+        if arch == "llama" and ".q_proj." in name:
+            w = llama_cpp_permute(w, config["num_attention_heads"])
+        if arch == "llama" and ".k_proj." in name:
+            w = llama_cpp_permute(w, config["num_key_value_heads"])
+        qname = next((q for key, q in qtypes.items() if key in name), default_qtype) if w.ndim == 2 else "F32"
+        qtype = gguf.GGMLQuantizationType[qname]
+        if qname == "Q4_K":
+            data = random_q4_k(*w.shape, seed=i)
+        else:
+            data = gguf.quants.quantize(w, qtype)
+        stored_w = gguf.quants.dequantize(data, qtype).reshape(w.shape).astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            stored_w = _inverse(stored_w, config["num_attention_heads"])
+        if arch == "llama" and ".k_proj." in name:
+            stored_w = _inverse(stored_w, config["num_key_value_heads"])
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            stored_w = stored_w - 1.0
+        stored[name] = stored_w if qname != "F32" else hf_w
+        writer.add_tensor(_gguf_name(name, config["model_type"]), data, raw_dtype=qtype if qname not in ("F32", "F16") else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def _inverse(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of :func:`llama_cpp_permute`, found by permuting row indices (independent of the product code)."""
+    idx = llama_cpp_permute(np.arange(w.shape[0]), n_head)
+    out = np.empty_like(w)
+    out[idx] = w
+    return out
