@@ -1,0 +1,91 @@
+"""mlx-lm's quantization methods built in memory, and their bits-per-weight accounting."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_dq import baselines, evaluate
+from mlx_dq.sources import load_model
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    return load_model(str(tiny_llama))
+
+
+def _array_bpw(model: nn.Module) -> float:
+    """Bits per weight counted straight from the stored arrays: sum of nbytes * 8 / weights."""
+    bits = weights = 0
+    for _, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            bits += (m.weight.nbytes + m.scales.nbytes + m.biases.nbytes) * 8
+            weights += m.weight.size * 32 // m.bits
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
+            bits += m.weight.nbytes * 8
+            weights += m.weight.size
+    return bits / weights
+
+
+@pytest.mark.parametrize("bits", baselines.UNIFORM_BITS)
+@pytest.mark.parametrize("group", baselines.GROUP_SIZES)
+def test_uniform_bpw_is_bits_plus_32_over_group(llama, bits, group):
+    model, _, config = llama
+    q, qconfig = baselines.uniform(model, config, bits, group)
+    assert qconfig["quantization"]["bits"] == bits and qconfig["quantization"]["group_size"] == group
+    kinds = [type(m) for _, m in q.named_modules()]
+    assert nn.Linear not in kinds and nn.Embedding not in kinds
+    assert nn.QuantizedLinear in kinds and nn.QuantizedEmbedding in kinds
+    assert evaluate.bits_per_weight(q) == pytest.approx(bits + 32 / group, abs=1e-12)
+    assert _array_bpw(q) == pytest.approx(bits + 32 / group, abs=1e-12)
+
+
+def test_mixed_3_6_bpw_matches_mlx_lm_arrays(llama):
+    model, _, config = llama
+    q, qconfig = baselines.mixed_recipe(model, config, "mixed_3_6")
+    widths = {m.bits for _, m in q.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert widths == {3, 6}
+    # the recipe's own rule: lm_head and the last eighth of layers' v_proj/down_proj take the high width
+    last = q.model.layers[-1]
+    assert q.lm_head.bits == 6 and last.self_attn.v_proj.bits == 6 and last.mlp.down_proj.bits == 6
+    assert last.self_attn.q_proj.bits == 3 and q.model.layers[0].self_attn.v_proj.bits == 3
+    assert qconfig["quantization"]["model.layers.1.self_attn.v_proj"]["bits"] == 6
+    assert all(v.dtype != mx.float32 for _, v in tree_flatten(q.parameters()))
+    assert evaluate.bits_per_weight(q) == pytest.approx(_array_bpw(q), abs=1e-12)
+    assert 3.5 < evaluate.bits_per_weight(q) < 6.5
+
+
+def test_dynamic_quant_uses_mlx_lm_threshold(llama):
+    model, _, config = llama
+    rows = mx.array(np.random.default_rng(0).integers(0, 320, size=(4, 32)), dtype=mx.int32)
+    sens = baselines.dynamic_sensitivities(model, rows, batch_size=2)
+    quantizable = {k for k, m in model.named_modules() if hasattr(m, "to_quantized") and k}
+    assert set(sens) == quantizable
+    q, _ = baselines.dynamic_quant(model, config, sens, target_bpw=5.0)
+    bits = {k: m.bits for k, m in q.named_modules() if hasattr(m, "bits")}
+    assert set(bits.values()) == {4, 5}
+    high = [sens[k] for k, b in bits.items() if b == 5]
+    low = [sens[k] for k, b in bits.items() if b == 4]
+    assert min(high) > max(low)
+    assert 4.5 < evaluate.bits_per_weight(q) <= 5.5
+    more, _ = baselines.dynamic_quant(model, config, sens, target_bpw=5.4)
+    assert evaluate.bits_per_weight(more) > evaluate.bits_per_weight(q)
+
+
+def test_bad_settings_are_refused(llama):
+    model, _, config = llama
+    with pytest.raises(ValueError, match="bits must be"):
+        baselines.uniform(model, config, 7, 64)
+    with pytest.raises(ValueError, match="mixed_9_9"):
+        baselines.mixed_recipe(model, config, "mixed_9_9")
+    with pytest.raises(ValueError, match="outside"):
+        baselines.dynamic_quant(model, config, {}, target_bpw=3.0)
+
+
+def test_variants_cover_every_pair(llama):
+    model, _, config = llama
+    names = [b.name for b in baselines.uniform_variants(model, config, bits=(2, 8), group_sizes=(32, 128))]
+    assert names == ["mlx-lm 2-bit g32", "mlx-lm 2-bit g128", "mlx-lm 8-bit g32", "mlx-lm 8-bit g128"]
