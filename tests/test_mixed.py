@@ -1,0 +1,207 @@
+"""Mixed-proportion layers: forward equals x @ dequantized^T, save/load round trip, tied head, expert banks."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from test_kernels import np_dequant
+
+from mlx_dq import kernels
+from mlx_dq.mixed import MixedEmbedding, MixedLinear, MixedSwitchLinear, mixed_layer_from_quantized
+from mlx_dq.options import QuantOption
+from mlx_dq.quant import quantize_weight
+
+OPTIONS = [
+    "0.1:4b_32g/0.9:3b_32g",
+    "0.25:8b_64g/0.5:5b_32g/0.25:2b_128g",
+    "0.3:6b_128g/0.7:4b_64g",
+    "0.2:5b_32g/0.3:4b_32g/0.3:3b_64g/0.2:2b_32g",
+    "1.0:4b_64g",
+    "1.0:3b_32g",
+    "1.0:6b_128g",
+]
+
+
+def _gram(k: int, seed: int) -> mx.array:
+    x = mx.random.normal((4 * k, k), key=mx.random.key(seed)) * mx.linspace(0.1, 3.0, k)
+    return x.T @ x
+
+
+def _quantized(shape, desc, seed=0, clip=False, scale_dtype=mx.float16):
+    w = mx.random.normal(shape, key=mx.random.key(seed)) * 0.05
+    return quantize_weight(w, QuantOption.parse(desc), gram=_gram(shape[-1], seed + 1), clip=clip,
+                           scale_dtype=scale_dtype)
+
+
+def _np_weight(qt) -> np.ndarray:
+    """float64 numpy dequantization of a QuantizedTensor (identity order for uniform options)."""
+    perm = qt.perm if qt.perm is not None else np.arange(qt.shape[-1])
+    parts = [(np.array(w), s, b) for w, s, b in qt.parts]
+    return np_dequant(parts, qt.bits, qt.group_sizes, perm)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+
+
+@pytest.mark.parametrize("desc", OPTIONS)
+def test_linear_forward_equals_dequantized_matmul(desc):
+    qt = _quantized((72, 256), desc, seed=3)
+    bias = mx.random.normal((72,), key=mx.random.key(9))
+    layer = MixedLinear.from_quantized(qt, bias=bias)
+    assert layer.option_desc == QuantOption.parse(desc).desc
+    assert ("perm" in layer.parameters()) == QuantOption.parse(desc).is_mixed
+    w64 = _np_weight(qt)
+    np.testing.assert_allclose(np.array(layer.dequantize()), w64, rtol=1e-6, atol=1e-7)
+    for shape in [(256,), (1, 256), (2, 5, 256)]:
+        x = mx.random.normal(shape, key=mx.random.key(len(shape)))
+        y = layer(x)
+        assert y.shape == (*shape[:-1], 72) and y.dtype == mx.float32
+        assert _rel(y, np.array(x, dtype=np.float64) @ w64.T + np.array(bias)) < 1e-5
+
+
+def test_linear_with_clip_search_and_bf16_input():
+    qt = _quantized((40, 192), "0.34:5b_64g/0.66:3b_32g", seed=5, clip=True, scale_dtype=mx.bfloat16)
+    layer = MixedLinear.from_quantized(qt)
+    assert layer["scales_0"].dtype == mx.bfloat16
+    x = mx.random.normal((3, 192), key=mx.random.key(2)).astype(mx.bfloat16)
+    y = layer(x)
+    assert y.dtype == mx.bfloat16
+    ref = np.array(x.astype(mx.float32), dtype=np.float64) @ _np_weight(qt).T
+    assert _rel(y.astype(mx.float32), ref) < 8e-3  # output rounded to bfloat16
+
+
+def test_portable_path_never_uses_quantized_matmul(monkeypatch):
+    assert not kernels.metal_active()
+
+    def refuse(*a, **k):
+        raise AssertionError("quantized_matmul called on the portable path")
+
+    monkeypatch.setattr(mx, "quantized_matmul", refuse)
+    monkeypatch.setattr(mx, "gather_qmm", refuse)
+    layer = MixedLinear.from_quantized(_quantized((16, 128), "0.5:4b_32g/0.5:2b_32g"))
+    mx.eval(layer(mx.ones((4, 128))))
+    bank = MixedSwitchLinear.from_quantized(_quantized((3, 16, 128), "0.5:4b_32g/0.5:2b_32g"))
+    mx.eval(bank(mx.ones((2, 1, 1, 128)), mx.array([[0, 2], [1, 1]])))
+
+
+def test_save_load_round_trip_is_identical(tmp_path):
+    class Tiny(nn.Module):
+        def __init__(self, descs):
+            super().__init__()
+            self.embed = MixedEmbedding(64, 128, descs[0])
+            self.proj = MixedLinear(128, 96, descs[1], bias=True)
+            self.experts = MixedSwitchLinear(96, 32, 4, descs[2])
+
+        def __call__(self, ids, idx):
+            h = self.proj(self.embed(ids))
+            return self.experts(mx.expand_dims(h, (-2, -3)), idx), self.embed.as_linear(self.embed(ids))
+
+    descs = ["0.25:6b_32g/0.75:4b_64g", "0.5:5b_32g/0.5:3b_32g", "0.1:4b_32g/0.9:2b_32g"]
+    src = Tiny(descs)
+    src.embed = MixedEmbedding.from_quantized(_quantized((64, 128), descs[0], seed=1))
+    src.proj = MixedLinear.from_quantized(_quantized((96, 128), descs[1], seed=2), bias=mx.arange(96) / 96.0)
+    src.experts = MixedSwitchLinear.from_quantized(_quantized((4, 32, 96), descs[2], seed=3))
+    path = tmp_path / "model.safetensors"
+    src.save_weights(str(path))
+    saved = mx.load(str(path))
+    assert {"embed.weight_0", "embed.scales_1", "embed.perm", "proj.biases_1", "proj.bias",
+            "experts.weight_1", "experts.perm"} <= set(saved)
+    assert saved["proj.perm"].dtype == mx.uint16 and saved["proj.weight_0"].dtype == mx.uint32
+
+    dst = Tiny(descs)
+    ids, idx = mx.array([[1, 5, 63]]), mx.array([[[0, 3], [1, 2], [3, 3]]])
+    before = dst(ids, idx)  # builds caches from the placeholder weights
+    dst.load_weights(str(path), strict=True)
+    got, ref = dst(ids, idx), src(ids, idx)
+    for a, b in zip(got, ref):
+        assert mx.array_equal(a, b).item()
+    assert not mx.array_equal(before[0], ref[0]).item()  # caches were rebuilt after loading
+
+
+def test_embedding_rows_and_tied_head():
+    qt = _quantized((100, 128), "0.25:5b_32g/0.75:3b_64g", seed=11)
+    emb = MixedEmbedding.from_quantized(qt)
+    w64 = _np_weight(qt)
+    ids = mx.array([[0, 7, 99], [7, 7, 3]])
+    rows = emb(ids)
+    assert rows.shape == (2, 3, 128)
+    np.testing.assert_allclose(np.array(rows), w64[np.array(ids)], rtol=1e-6, atol=1e-7)
+    x = mx.random.normal((2, 128), key=mx.random.key(4))
+    assert _rel(emb.as_linear(x), np.array(x, dtype=np.float64) @ w64.T) < 1e-5
+    # once the tied head built its cache, lookups read it and stay identical
+    assert mx.array_equal(emb(ids), rows).item()
+
+
+@pytest.mark.parametrize("desc", ["0.1:4b_32g/0.9:3b_32g", "1.0:5b_64g"])
+@pytest.mark.parametrize("sort", [False, True])
+def test_switch_matches_mlx_lm_switch_linear(desc, sort):
+    e, out_f, in_f = 6, 48, 256
+    qt = _quantized((e, out_f, in_f), desc, seed=21)
+    bias = mx.random.normal((e, out_f), key=mx.random.key(22))
+    bank = MixedSwitchLinear.from_quantized(qt, bias=bias)
+    assert bank.input_dims == in_f and bank.output_dims == out_f and bank.num_experts == e
+    stock = SwitchLinear(in_f, out_f, e, bias=True)
+    stock.weight = mx.array(_np_weight(qt).astype(np.float32))
+    stock.bias = bias
+    x = mx.random.normal((2, 5, 1, 1, in_f), key=mx.random.key(23))
+    idx = mx.random.randint(0, e, (2, 5, 3), key=mx.random.key(24))
+    if sort:
+        from mlx_lm.models.switch_layers import _gather_sort
+
+        xs, idx_s, _ = _gather_sort(x, idx)
+        got, ref = bank(xs, idx_s, sorted_indices=True), stock(xs, idx_s, sorted_indices=True)
+    else:
+        got, ref = bank(x, idx), stock(x, idx)
+    assert got.shape == ref.shape
+    assert _rel(got, ref) < 1e-5
+
+
+def test_switch_glu_with_mixed_banks():
+    """A whole mlx-lm SwitchGLU runs with mixed banks in place of its SwitchLinear layers."""
+    glu = SwitchGLU(128, 64, 4)
+    ref_glu = SwitchGLU(128, 64, 4)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        sl = getattr(glu, name)
+        qt = quantize_weight(sl.weight, QuantOption.parse("0.5:4b_32g/0.5:3b_32g"), clip=False)
+        setattr(glu, name, mixed_layer_from_quantized(sl, qt))
+        getattr(ref_glu, name).weight = getattr(glu, name).dequantize()
+    x = mx.random.normal((1, 3, 128), key=mx.random.key(31))
+    idx = mx.array([[[0, 1], [2, 3], [3, 0]]])
+    assert _rel(glu(x, idx), ref_glu(x, idx)) < 1e-5
+
+
+def test_mixed_layer_from_quantized_picks_classes():
+    lin, emb, sw = nn.Linear(128, 32, bias=True), nn.Embedding(50, 128), SwitchLinear(128, 32, 3, bias=False)
+    mixed = "0.5:4b_32g/0.5:3b_32g"
+    assert isinstance(mixed_layer_from_quantized(lin, _quantized((32, 128), mixed)), MixedLinear)
+    assert "bias" in mixed_layer_from_quantized(lin, _quantized((32, 128), mixed))
+    assert isinstance(mixed_layer_from_quantized(emb, _quantized((50, 128), mixed)), MixedEmbedding)
+    assert isinstance(mixed_layer_from_quantized(sw, _quantized((3, 32, 128), mixed)), MixedSwitchLinear)
+    # uniform options can become MLX's own layers, with identical dequantized weights
+    qt = _quantized((32, 128), "1.0:4b_64g")
+    stock = mixed_layer_from_quantized(lin, qt, prefer_stock=True)
+    assert isinstance(stock, nn.QuantizedLinear) and (stock.bits, stock.group_size) == (4, 64)
+    assert mx.array_equal(stock.weight, qt.parts[0][0]).item()
+    assert isinstance(mixed_layer_from_quantized(emb, _quantized((50, 128), "1.0:4b_64g"), prefer_stock=True),
+                      nn.QuantizedEmbedding)
+    assert isinstance(mixed_layer_from_quantized(sw, _quantized((3, 32, 128), "1.0:4b_64g"), prefer_stock=True),
+                      QuantizedSwitchLinear)
+    assert isinstance(mixed_layer_from_quantized(lin, _quantized((32, 128), mixed), prefer_stock=True), MixedLinear)
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="16-bit"):
+        mixed_layer_from_quantized(nn.Linear(64, 8), quantize_weight(mx.zeros((8, 64)), QuantOption.fp16()))
+    with pytest.raises(ValueError, match="Conv1d"):
+        mixed_layer_from_quantized(nn.Conv1d(64, 8, 1), _quantized((8, 64), "1.0:4b_32g"))
+    with pytest.raises(ValueError, match="2-D"):
+        MixedLinear.from_quantized(_quantized((2, 8, 64), "1.0:4b_32g"))
+    with pytest.raises(ValueError, match="3-D"):
+        MixedSwitchLinear.from_quantized(_quantized((8, 64), "1.0:4b_32g"))
+    with pytest.raises(ValueError, match="16-bit"):
+        MixedLinear(64, 8, "16bit")
