@@ -141,8 +141,7 @@ class GGUFFile:
         n_kv = m("attention.head_count_kv", n_heads)
         hidden = int(m("embedding_length"))
         n_layers = int(m("block_count"))
-        tokens = self.meta("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens else int(m("vocab_size", 0))
+        vocab = int(m("vocab_size", 0))
         if "model.embed_tokens.weight" in self.tensors:
             vocab = self.shape("model.embed_tokens.weight")[0]
         cfg: dict[str, Any] = {
@@ -182,12 +181,13 @@ class GGUFFile:
 
     def tokenizer_config(self) -> dict:
         """The tokenizer's construction dict (special tokens, BOS/EOS flags, chat template)."""
-        tokens = self.meta("tokenizer.ggml.tokens") or []
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        n_tokens = len(tokens.data) if tokens is not None else 0
         cfg: dict[str, Any] = {}
         for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
             tid = self.meta(f"tokenizer.ggml.{key}_token_id")
-            if tid is not None and 0 <= int(tid) < len(tokens):
-                cfg[name] = tokens[int(tid)]
+            if tid is not None and 0 <= int(tid) < n_tokens:
+                cfg[name] = tokens.contents(int(tid))
         tokenizer_type = self.meta("tokenizer.ggml.model")
         # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
         cfg["add_bos_token"] = bool(self.meta("tokenizer.ggml.add_bos_token", tokenizer_type == "llama"))
