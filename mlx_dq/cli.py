@@ -21,12 +21,12 @@ def _not_available(name: str) -> None:
 def _parameter_count(config: dict[str, Any]) -> int | None:
     """Parameters of the mlx-lm model a config describes, from shapes only (no weights are computed)."""
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+
+    from mlx_dq.sources import build_model
 
     try:
-        model_class, args_class = _get_classes(config)
-        model = model_class(args_class.from_dict(config))
-    except Exception:  # an architecture mlx-lm lacks: the count is unknown, not an error here
+        model = build_model(config)
+    except ValueError:  # an architecture mlx-lm lacks: the count is unknown, not an error here
         return None
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
@@ -97,10 +97,39 @@ def measure() -> None:
     _not_available("measure")
 
 
-@main.command(context_settings=PENDING)
-def optimize() -> None:
-    """Choose one option per tensor for a bits-per-weight target (not available yet)."""
-    _not_available("optimize")
+@main.command(context_settings=CONTEXT)
+@click.argument("measurement", type=click.Path(exists=True, dir_okay=False))
+@click.option("--bpw", type=float, required=True, help="Bits-per-weight target for the decoder tensors.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True,
+              help="Where to write the plan (JSON).")
+@click.option("--mlx-lm-compatible", is_flag=True, help="Allow only whole-tensor options (stock mlx-lm loads them).")
+@click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
+@click.option("--keep-most-sensitive", type=click.IntRange(min=0), default=0,
+              help="Keep the N most sensitive tensors of each part in 16-bit.")
+@click.option("--head-option", default="1.0:6b_64g", show_default=True,
+              help="Option for embedding and head, outside the budget ('budget': plan them with the rest).")
+@click.option("--mlx-config", type=click.Path(dir_okay=False), default=None,
+              help="Also write the plan as an MLX config (bits, group_size, mode, kept_16bit, tensors).")
+def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool, keep: tuple[str, ...],
+             keep_most_sensitive: int, head_option: str, mlx_config: str | None) -> None:
+    """Choose one option per tensor of MEASUREMENT for a bits-per-weight target with the least predicted damage."""
+    from mlx_dq import measurement as meas
+    from mlx_dq import optimize as opt
+
+    try:
+        m = meas.load_measurement(measurement)
+        plan = opt.optimize(m, bpw, head_option=None if head_option == "budget" else head_option, keep=keep,
+                            keep_most_sensitive=keep_most_sensitive or None, mlx_lm_compatible=mlx_lm_compatible)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    opt.save_plan(plan, output)
+    if mlx_config:
+        meas.write_json_atomic(opt.plan_to_mlx_config(plan), mlx_config)
+    click.echo(f"target {plan.target_bpw:g} bpw: achieved {plan.achieved_bpw:.4f} bpw "
+               f"({plan.used_bits:,} of {plan.budget_bits:,} bits), all tensors {plan.total_bpw:.4f} bpw")
+    click.echo(f"objective {plan.objective:.6g}  lower bound {plan.lower_bound:.6g}  gap {plan.gap:.3g} "
+               f"({100 * plan.gap / max(plan.objective, 1e-300):.3f}%)  kept 16-bit: {len(plan.kept)}")
+    click.echo(f"plan written to {output} ({plan.wall_s:.2f} s)")
 
 
 @main.command(context_settings=PENDING)

@@ -1,0 +1,204 @@
+"""Calibration/evaluation text loading, row sampling and the calib/eval disjointness guarantee."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_dq import calib
+
+
+class WordTokenizer:
+    """Each whitespace-separated word is an integer token id: rows reveal exactly where they came from."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w) for w in text.split()]
+
+
+def numbered_text(n: int) -> str:
+    return " ".join(str(i) for i in range(n))
+
+
+# -- load_texts ------------------------------------------------------------------
+
+
+def test_load_txt(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("first line\nsecond line\n", encoding="utf-8")
+    assert calib.load_texts(f) == ["first line\nsecond line\n"]
+
+
+def test_load_jsonl_text_and_content_fields(tmp_path):
+    f = tmp_path / "a.jsonl"
+    lines = [json.dumps({"text": "alpha"}), "", json.dumps({"content": "béta", "id": 3}), json.dumps("gamma")]
+    f.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert calib.load_texts(f) == ["alpha", "béta", "gamma"]
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [("{not json", "a.jsonl:2: not valid JSON"), ('{"body": "x"}', 'a.jsonl:2: expected an object with a "text"')],
+)
+def test_load_jsonl_bad_line_names_file_and_line(tmp_path, line, expected):
+    f = tmp_path / "a.jsonl"
+    f.write_text(json.dumps({"text": "ok"}) + "\n" + line + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=expected):
+        calib.load_texts(f)
+
+
+def test_load_folder_recursive_sorted_and_filtered(tmp_path):
+    (tmp_path / "b.txt").write_text("bee", encoding="utf-8")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "ay"}) + "\n", encoding="utf-8")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.txt").write_text("sea", encoding="utf-8")
+    (tmp_path / "notes.md").write_text("ignored", encoding="utf-8")
+    (tmp_path / "empty.txt").write_text("  \n", encoding="utf-8")
+    assert calib.load_texts(tmp_path) == ["ay", "bee", "sea"]
+
+
+@pytest.mark.parametrize("content", ["", "   \n\n"])
+def test_empty_file_is_an_error_naming_it(tmp_path, content):
+    f = tmp_path / "empty.txt"
+    f.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match="empty.txt"):
+        calib.load_texts(f)
+
+
+def test_empty_folder_is_an_error_naming_it(tmp_path):
+    d = tmp_path / "nothing_here"
+    d.mkdir()
+    (d / "readme.md").write_text("not a text source", encoding="utf-8")
+    with pytest.raises(ValueError, match="nothing_here"):
+        calib.load_texts(d)
+
+
+def test_missing_path_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="does not exist: .*missing.txt"):
+        calib.load_texts(tmp_path / "missing.txt")
+
+
+def test_unsupported_suffix(tmp_path):
+    f = tmp_path / "data.csv"
+    f.write_text("a,b\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="data.csv"):
+        calib.load_texts(f)
+
+
+# -- sample_rows -------------------------------------------------------------------
+
+
+def test_rows_are_disjoint_windows_of_the_stream():
+    rows = np.array(calib.sample_rows(WordTokenizer(), [numbered_text(1000)], n_rows=6, seq_len=50, seed=3))
+    assert rows.shape == (6, 50) and rows.dtype == np.int32
+    # every row is a contiguous window of the token stream ...
+    assert (np.diff(rows, axis=1) == 1).all()
+    assert rows.min() >= 0 and rows.max() < 1000
+    # ... and no two rows share a token
+    starts = np.sort(rows[:, 0])
+    assert (np.diff(starts) >= 50).all()
+
+
+def test_rows_from_several_texts_form_one_stream():
+    texts = [numbered_text(30), " ".join(str(i) for i in range(30, 60))]
+    rows = np.array(calib.sample_rows(WordTokenizer(), texts, n_rows=1, seq_len=60, seed=0))
+    assert rows.tolist() == [list(range(60))]
+
+
+def test_same_seed_same_rows_other_seed_other_rows():
+    texts = [numbered_text(5000)]
+    a = np.array(calib.sample_rows(WordTokenizer(), texts, 8, 64, seed=11))
+    b = np.array(calib.sample_rows(WordTokenizer(), texts, 8, 64, seed=11))
+    c = np.array(calib.sample_rows(WordTokenizer(), texts, 8, 64, seed=12))
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_more_rows_than_the_text_holds_overlap_but_stay_inside():
+    rows = np.array(calib.sample_rows(WordTokenizer(), [numbered_text(100)], n_rows=20, seq_len=40, seed=1))
+    assert rows.shape == (20, 40)
+    assert (np.diff(rows, axis=1) == 1).all()
+    assert rows.max() < 100
+    assert len({int(r) for r in rows[:, 0]}) > 1
+
+
+def test_sampling_with_a_real_tokenizer_is_deterministic():
+    from fixtures_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    texts = calib.default_calibration_texts()
+    a = np.array(calib.sample_rows(tok, texts, 4, 128, seed=5))
+    b = np.array(calib.sample_rows(tok, texts, 4, 128, seed=5))
+    assert np.array_equal(a, b)
+    assert a.max() < tok.vocab_size
+
+
+@pytest.mark.parametrize("n_rows, seq_len, match", [(0, 16, "n_rows"), (2, 1, "seq_len"), (1, 500, "fewer than one row")])
+def test_bad_sizes(n_rows, seq_len, match):
+    with pytest.raises(ValueError, match=match):
+        calib.sample_rows(WordTokenizer(), [numbered_text(100)], n_rows, seq_len, seed=0)
+
+
+# -- default texts ----------------------------------------------------------------
+
+
+def test_default_calibration_is_a_large_mixed_set():
+    texts = calib.default_calibration_texts()
+    joined = "\n".join(texts)
+    assert len(joined.encode("utf-8")) > 60_000
+    for marker in ("def ", "fn ", "SELECT", "#include", "<|im_start|>user", "f'(x)", "| Day |", "Français", "中文"):
+        assert marker in joined, marker
+
+
+def test_default_eval_text_is_substantial():
+    texts = calib.default_eval_texts()
+    assert sum(len(t) for t in texts) > 100_000
+
+
+def _windows(text: str, k: int) -> set[str]:
+    return {text[i : i + k] for i in range(len(text) - k + 1)}
+
+
+def test_calibration_and_eval_texts_share_no_32_character_window():
+    cal = _windows("\n".join(calib.default_calibration_texts()), 32)
+    ev = _windows("\n".join(calib.default_eval_texts()), 32)
+    assert cal and ev
+    assert not cal & ev
+
+
+def test_window_check_detects_overlap():
+    """The disjointness check above is able to fail: a shared passage is found."""
+    ev = "\n".join(calib.default_eval_texts())
+    leaked = "\n".join(calib.default_calibration_texts()) + ev[5000:5100]
+    assert _windows(leaked, 32) & _windows(ev, 32)
+
+
+@pytest.mark.slow
+def test_default_calibration_and_eval_rows_share_no_32_token_window():
+    from mlx_dq.sources import resolve
+
+    tok = resolve("smollm2-135m").tokenizer()
+    cal = np.array(calib.sample_rows(tok, calib.default_calibration_texts(), 128, 512, seed=0))
+    ev = np.array(calib.sample_rows(tok, calib.default_eval_texts(), 64, 512, seed=0))
+
+    def windows(rows: np.ndarray, k: int = 32) -> set[bytes]:
+        return {r[i : i + k].tobytes() for r in rows for i in range(len(r) - k + 1)}
+
+    assert not windows(cal) & windows(ev)
+
+
+def test_text_digest_tells_texts_apart():
+    assert calib.text_digest(["a", "b"]) == calib.text_digest(["a", "b"])
+    assert calib.text_digest(["a", "b"]) != calib.text_digest(["b", "a"])
+    assert calib.text_digest(["ab"]) != calib.text_digest(["a", "b"])
+
+
+def test_generated_calibration_file_matches_its_composer():
+    data = Path(calib.__file__).parent / "data"
+    spec = importlib.util.spec_from_file_location("compose_calibration", data / "compose_calibration.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.compose() == (data / "calib_generated.txt").read_text(encoding="utf-8")
