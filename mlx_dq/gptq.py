@@ -64,7 +64,8 @@ MAX_DAMP_RETRIES = 6
 def damped_hessian(gram: np.ndarray, damp: float) -> tuple[np.ndarray, float]:
     """``H`` (``[B, k, k]``) with dead channels set to 1 and ``damp * mean(diag(H))`` added to the diagonal.
 
-    Returns the damped float32 matrix and the absolute damping added.
+    Each of the ``B`` matrices is damped by its own mean diagonal. Returns the
+    damped float32 matrices and the largest absolute damping added.
     """
     if damp < 0:
         raise ValueError(f"damp must be >= 0, got {damp}")
@@ -72,9 +73,9 @@ def damped_hessian(gram: np.ndarray, damp: float) -> tuple[np.ndarray, float]:
     diag = np.einsum("bii->bi", h)  # writable view of every diagonal
     dead = diag <= 0
     diag[dead] = 1.0
-    lam = float(damp * diag.mean()) if diag.size else 0.0
+    lam = damp * diag.mean(axis=-1, keepdims=True)
     diag += lam
-    return h, lam
+    return h, float(lam.max()) if lam.size else 0.0
 
 
 def inverse_cholesky_upper(h: np.ndarray, damp_step: float | None = None) -> tuple[np.ndarray, float]:
@@ -109,37 +110,59 @@ def inverse_cholesky_upper(h: np.ndarray, damp_step: float | None = None) -> tup
 def dequant_f16(q: np.ndarray, scales: np.ndarray, biases: np.ndarray) -> np.ndarray:
     """What ``mx.dequantize`` returns for codes ``q`` and fp16 ``scales``/``biases`` (broadcast), as float32.
 
-    MLX's CPU backend rounds ``scale*q`` and the sum to fp16, as numpy's fp16 arithmetic does.
+    MLX's CPU backend rounds ``scale*q`` and the sum to fp16, as numpy's fp16 arithmetic does
+    (float32 operations rounded to fp16 after each step; ``scale*q`` itself is exact in float32).
     """
-    return (scales * q.astype(np.float16) + biases).astype(np.float32)
+    s = np.asarray(scales, dtype=np.float32)
+    b = np.asarray(biases, dtype=np.float32)
+    prod = (s * q).astype(np.float16).astype(np.float32)
+    return (prod + b).astype(np.float16).astype(np.float32)
 
 
 def codes_f16(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
     """Nearest codes of float32 ``w`` for fp16 ``scales``/``biases`` (broadcast), clipped to ``bits``."""
-    s = scales.astype(np.float32)
-    b = biases.astype(np.float32)
+    s = np.asarray(scales, dtype=np.float32)
+    b = np.asarray(biases, dtype=np.float32)
     safe = np.where(s == 0, 1.0, s)
     q = np.clip(np.rint((w - b) / safe), 0, (1 << bits) - 1)
     return np.where(s == 0, 0.0, q).astype(np.float32)
 
 
-def _weighted_err(w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, weight: np.ndarray | None):
-    q = codes_f16(w, s[..., None], b[..., None], bits)
-    e = dequant_f16(q, s[..., None], b[..., None]) - w
-    e2 = e * e if weight is None else e * e * weight
-    return e2.sum(-1), q
+@mx.compile
+def _candidate_error(w: mx.array, weight: mx.array, s16: mx.array, b16: mx.array, n_bins: mx.array):
+    """Weighted squared error per group and codes of ``w`` [..., G, g] for fp16 ``s16``/``b16`` [..., G]."""
+    s = s16.astype(mx.float32)[..., None]
+    b = b16.astype(mx.float32)[..., None]
+    zero = s == 0
+    q = mx.clip(mx.round((w - b) / mx.where(zero, 1.0, s)), 0, n_bins)
+    q = mx.where(zero, 0.0, q)
+    e = s * q + b - w
+    return (e * e * weight).sum(-1), q
+
+
+@mx.compile
+def _weighted_lsq(w: mx.array, weight: mx.array, q: mx.array, s16: mx.array, b16: mx.array):
+    """Per-group (scale, bias) minimising ``sum weight*(w - scale*q - bias)^2`` for fixed codes ``q``."""
+    wt = mx.broadcast_to(weight, w.shape)
+    sd, sq = wt.sum(-1), (wt * q).sum(-1)
+    sqq, sw, sqw = (wt * q * q).sum(-1), (wt * w).sum(-1), (wt * q * w).sum(-1)
+    det = sd * sqq - sq * sq
+    ok = det > 1e-9 * mx.maximum(sd * sqq, 1e-30)
+    s_ls = mx.where(ok, (sd * sqw - sq * sw) / mx.where(ok, det, 1.0), s16.astype(mx.float32))
+    b_ls = mx.where(ok, (sw - s_ls * sq) / mx.where(sd > 0, sd, 1.0), b16.astype(mx.float32))
+    return s_ls, b_ls
 
 
 def refine_group_params(
-    w: np.ndarray,
-    scales: np.ndarray,
-    biases: np.ndarray,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
     bits: int,
-    weight: np.ndarray | None = None,
+    weight: mx.array | None = None,
     shifts: tuple[float, ...] = DEFAULT_SHIFTS,
     rescales: tuple[float, ...] = DEFAULT_RESCALES,
     refits: int = 2,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[mx.array, mx.array]:
     """Improve per-group fp16 ``scales``/``biases`` (``[..., G]``) for ``w`` (``[..., G, g]``) under a weighted error.
 
     Tries the range shifted by fractions of a step, rescaled around its centre,
@@ -148,41 +171,32 @@ def refine_group_params(
     ``sum_j weight_j (w_j - q_j)^2`` (``weight`` broadcasts to ``w``; None
     means plain squared error). Never worse than the input parameters.
     """
-    w = np.asarray(w, dtype=np.float32)
-    best_s = np.asarray(scales, dtype=np.float16)
-    best_b = np.asarray(biases, dtype=np.float16)
-    best_err, best_q = _weighted_err(w, best_s, best_b, bits, weight)
-    s32, b32 = best_s.astype(np.float32), best_b.astype(np.float32)
-    n_bins = float((1 << bits) - 1)
+    w = w.astype(mx.float32)
+    wt = mx.array(1.0) if weight is None else weight.astype(mx.float32)
+    n_bins = mx.array(float((1 << bits) - 1))
+    best_s, best_b = scales.astype(mx.float16), biases.astype(mx.float16)
+    best_err, best_q = _candidate_error(w, wt, best_s, best_b, n_bins)
+    s32, b32 = best_s.astype(mx.float32), best_b.astype(mx.float32)
     centre = b32 + s32 * n_bins / 2
     cands = [(s32, b32 + t * s32) for t in shifts]
     cands += [(s32 * f, centre - s32 * f * n_bins / 2) for f in rescales]
 
-    def consider(s: np.ndarray, b: np.ndarray) -> None:
+    def consider(s: mx.array, b: mx.array) -> None:
         nonlocal best_s, best_b, best_err, best_q
-        s16, b16 = s.astype(np.float16), b.astype(np.float16)
-        if not (np.all(np.isfinite(s16)) and np.all(np.isfinite(b16))):
-            ok = np.isfinite(s16) & np.isfinite(b16)
-            s16, b16 = np.where(ok, s16, best_s), np.where(ok, b16, best_b)
-        err, q = _weighted_err(w, s16, b16, bits, weight)
+        s16, b16 = s.astype(mx.float16), b.astype(mx.float16)
+        ok = mx.isfinite(s16) & mx.isfinite(b16)
+        s16, b16 = mx.where(ok, s16, best_s), mx.where(ok, b16, best_b)
+        err, q = _candidate_error(w, wt, s16, b16, n_bins)
         better = err < best_err
-        best_s, best_b = np.where(better, s16, best_s), np.where(better, b16, best_b)
-        best_err = np.where(better, err, best_err)
-        best_q = np.where(better[..., None], q, best_q)
+        best_s, best_b = mx.where(better, s16, best_s), mx.where(better, b16, best_b)
+        best_err = mx.where(better, err, best_err)
+        best_q = mx.where(better[..., None], q, best_q)
+        mx.eval(best_s, best_b, best_err, best_q)
 
     for s, b in cands:
         consider(s, b)
-    wt = np.ones_like(w) if weight is None else np.broadcast_to(weight, w.shape).astype(np.float32)
     for _ in range(refits):
-        q = best_q
-        sd, sq = wt.sum(-1), (wt * q).sum(-1)
-        sqq, sw, sqw = (wt * q * q).sum(-1), (wt * w).sum(-1), (wt * q * w).sum(-1)
-        det = sd * sqq - sq * sq
-        ok = det > 1e-12 * np.maximum(sd * sqq, 1e-30)
-        safe = np.where(ok, det, 1.0)
-        s_ls = np.where(ok, (sd * sqw - sq * sw) / safe, best_s.astype(np.float32))
-        b_ls = np.where(ok, (sw - s_ls * sq) / np.where(sd > 0, sd, 1.0), best_b.astype(np.float32))
-        consider(s_ls, b_ls)
+        consider(*_weighted_lsq(w, wt, best_q, best_s, best_b))
     return best_s, best_b
 
 
@@ -211,10 +225,10 @@ def choose_group_params(
         factors=DEFAULT_CLIP_FACTORS if clip else (),
         dtype=mx.float16,
     )
-    s, b = np.array(res.scales), np.array(res.biases)
+    s, b = res.scales, res.biases
     if weighted:
-        s, b = refine_group_params(w, s, b, bits, wei)
-    return s, b
+        s, b = refine_group_params(wm, s, b, bits, None if wei is None else mx.array(wei))
+    return np.array(s), np.array(b)
 
 
 # --------------------------------------------------------------------------
@@ -292,7 +306,7 @@ def gptq_core(
 
     h, lam = damped_hessian(gs_full[:, porder][:, :, porder], damp)
     u, extra = inverse_cholesky_upper(h)
-    scales = np.zeros((nb, rows, len(groups)), dtype=np.float16)
+    scales = np.zeros((len(groups), nb, rows), dtype=np.float16)  # group-major: contiguous per column
     biases = np.zeros_like(scales)
 
     def params_for(block: np.ndarray, first: int, count: int, gsz: int, bits: int) -> None:
@@ -300,13 +314,14 @@ def gptq_core(
         wg = block.reshape(nb, rows, count, gsz)
         wt = energy[:, g_start[first] : g_start[first] + count * gsz].reshape(-1, 1, count, gsz)
         s, b = choose_group_params(wg, bits, wt, clip=clip, weighted=weighted_scales)
-        scales[:, :, first : first + count], biases[:, :, first : first + count] = s, b
+        scales[first : first + count] = s.transpose(2, 0, 1)
+        biases[first : first + count] = b.transpose(2, 0, 1)
 
     if static_groups:  # all groups from the original weights, one call per segment
         i = 0
         while i < len(groups):
             j = i
-            while j < len(groups) and groups[j][1:] == groups[i][1:] and gid[groups[j][0]] == j:
+            while j < len(groups) and groups[j][1:] == groups[i][1:]:
                 j += 1
             g0, gsz, bits = groups[i]
             params_for(ws[:, :, g0 : g0 + (j - i) * gsz], i, j - i, gsz, bits)
@@ -333,7 +348,7 @@ def gptq_core(
             if not static_groups and sp == g_start[g]:
                 gsz = groups[g][1]
                 params_for(wt_[:, p : p + gsz, :].transpose(0, 2, 1), g, 1, gsz, int(g_bits[g]))
-            s, bi = scales[:, :, g], biases[:, :, g]
+            s, bi = scales[g].astype(np.float32), biases[g].astype(np.float32)
             col = wt_[:, p, :]
             q = codes_f16(col, s, bi, int(g_bits[g]))
             dq = dequant_f16(q, s, bi)
@@ -347,8 +362,8 @@ def gptq_core(
             wt_[:, b1:, :] -= np.matmul(u[:, b0:b1, b1:].transpose(0, 2, 1), err)
     return GPTQResult(
         codes=codes.transpose(0, 2, 1),
-        scales=scales,
-        biases=biases,
+        scales=scales.transpose(1, 2, 0),
+        biases=biases.transpose(1, 2, 0),
         assumed=assumed.transpose(0, 2, 1),
         order=np.asarray(order),
         damp_abs=lam,
@@ -366,6 +381,7 @@ def gptq_quantize(
     act_order: bool = True,
     clip: bool = True,
     weighted_scales: bool = True,
+    error_stats: bool = True,
 ) -> QuantizedTensor:
     """Quantize ``w`` with ``option`` by GPTQ error compensation against the input Gram ``gram``.
 
@@ -377,7 +393,8 @@ def gptq_quantize(
     mean(diag(H))`` to the diagonal. The result is an ordinary
     :class:`~mlx_dq.quant.QuantizedTensor` (uniform options: natural channel
     order, stock-MLX loadable; mixed options: act-order permutation). Its
-    ``stats`` carry the output/weight error and timing.
+    ``stats`` carry the settings, timing and (``error_stats``) the relative
+    output error from ``gram`` and the weight error.
     """
     t0 = time.perf_counter()
     shape = tuple(int(d) for d in w.shape)
@@ -437,11 +454,8 @@ def gptq_quantize(
         qt.group_sizes.append(seg.group_size)
         start += k
         gstart += ng
-    wq = mx.array(res.assumed[:, :, np.argsort(order)].reshape(shape))
     qt.stats = {
         "method": "gptq",
-        "output_error": output_error(wm, wq, gm),
-        "weight_error": weight_error(wm, wq),
         "damp": damp,
         "extra_damp": res.extra_damp,
         "act_order": bool(act_order or mixed),
@@ -451,4 +465,8 @@ def gptq_quantize(
         "hessian": "per_expert" if (len(shape) == 3 and not folded) else "shared",
         "seconds": time.perf_counter() - t0,
     }
+    if error_stats:
+        wq = mx.array(res.assumed[:, :, np.argsort(order)].reshape(shape))
+        qt.stats["output_error"] = output_error(wm, wq, gm)
+        qt.stats["weight_error"] = weight_error(wm, wq)
     return qt

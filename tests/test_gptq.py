@@ -1,0 +1,180 @@
+"""Tests for GPTQ error compensation and activation-weighted scale search."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dq.gptq import gptq_core, gptq_quantize, refine_group_params
+from mlx_dq.options import QuantOption
+from mlx_dq.quant import act_order, pack_codes, quantize_weight
+
+UNIFORM = ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_32g", "1.0:4b_128g"]
+MIXED = ["0.25:4b_32g/0.75:3b_64g", "0.1:6b_128g/0.9:2b_32g", "0.3:8b_64g/0.3:4b_32g/0.4:2b_64g"]
+
+
+def _problem(out_f: int, in_f: int, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Heavy-tailed weights and correlated inputs with uneven channel energy."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_t(3, size=(out_f, in_f)) * 0.02).astype(np.float32)
+    mix = rng.standard_normal((in_f, in_f)).astype(np.float32) / np.sqrt(in_f)
+    chan = np.exp(rng.standard_normal(in_f)).astype(np.float32)
+    x = (rng.standard_normal((rows, in_f)).astype(np.float32) @ mix + 0.3 * rng.standard_normal((rows, in_f))) * chan
+    return w, x.astype(np.float32)
+
+
+def _out_err(x: np.ndarray, w: np.ndarray, wq: np.ndarray) -> float:
+    """Relative output error computed directly from the inputs."""
+    return float(np.linalg.norm(x @ (wq - w).T) / np.linalg.norm(x @ w.T))
+
+
+@pytest.fixture(scope="module")
+def layer() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    w, x = _problem(96, 256, 1024, seed=0)
+    return w, x, x.T @ x
+
+
+@pytest.mark.parametrize("desc", UNIFORM + MIXED)
+def test_gptq_beats_rounding(layer, desc):
+    w, x, gram = layer
+    opt = QuantOption.parse(desc)
+    rtn = quantize_weight(mx.array(w), opt, mx.array(gram), clip=False)
+    rtn_clip = quantize_weight(mx.array(w), opt, mx.array(gram), clip=True)
+    plain = gptq_quantize(w, opt, gram, clip=False, weighted_scales=False)
+    full = gptq_quantize(w, opt, gram)
+    e_rtn = _out_err(x, w, np.array(rtn.dequantize()))
+    e_clip = _out_err(x, w, np.array(rtn_clip.dequantize()))
+    e_plain = _out_err(x, w, np.array(plain.dequantize()))
+    e_full = _out_err(x, w, np.array(full.dequantize()))
+    assert e_plain < e_rtn
+    assert e_full < e_clip < e_rtn
+    assert full.stats["output_error"] == pytest.approx(e_full, rel=1e-3)
+
+
+@pytest.mark.parametrize("desc", UNIFORM + MIXED)
+def test_result_matches_layout_of_rounding(layer, desc):
+    w, _, gram = layer
+    opt = QuantOption.parse(desc)
+    ref = quantize_weight(mx.array(w), opt, mx.array(gram), clip=False)
+    qt = gptq_quantize(w, opt, gram)
+    assert qt.widths == ref.widths and qt.bits == ref.bits and qt.group_sizes == ref.group_sizes
+    for (p, s, b), (rp, rs, rb) in zip(qt.parts, ref.parts):
+        assert p.dtype == mx.uint32 and s.dtype == mx.float16 and b.dtype == mx.float16
+        assert p.shape == rp.shape and s.shape == rs.shape and b.shape == rb.shape
+    assert qt.nbytes() * 8 == opt.storage_bits(w.shape)
+    if opt.is_mixed:  # segment assignment follows activation energy, stored as the permutation
+        np.testing.assert_array_equal(qt.perm, np.argsort(-np.diag(gram), kind="stable"))
+    else:
+        assert qt.perm is None
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_stored_triple_is_what_gptq_compensated(layer, bits, group):
+    w, _, gram = layer
+    opt = QuantOption.uniform(bits, group)
+    natural = np.arange(w.shape[1])
+    for static in (False, True):
+        process = act_order(w.shape[1], mx.array(gram)) if static else None
+        res = gptq_core(w[None], gram[None], opt, natural, static_groups=static, process_order=process)
+        packed = mx.array(pack_codes(res.codes, bits))
+        deq = mx.dequantize(packed, mx.array(res.scales), mx.array(res.biases), group_size=group, bits=bits)
+        np.testing.assert_array_equal(np.array(deq.astype(mx.float32)), res.assumed)
+
+
+def test_quantized_tensor_dequantizes_to_core_result(layer):
+    w, _, gram = layer
+    opt = QuantOption.parse("0.25:4b_32g/0.75:3b_64g")
+    order = np.argsort(-np.diag(gram), kind="stable")
+    res = gptq_core(w[None], gram[None], opt, order, static_groups=False)
+    qt = gptq_quantize(w, opt, gram)
+    expect = res.assumed[0][:, np.argsort(order)]
+    np.testing.assert_array_equal(np.array(qt.dequantize()), expect)
+
+
+def test_weighted_refinement_never_worse():
+    rng = np.random.default_rng(3)
+    w = (rng.standard_t(3, size=(2, 40, 8, 32)) * 0.05).astype(np.float32)
+    weight = rng.exponential(size=(2, 1, 8, 32)).astype(np.float32)
+    wmin, wmax = w.min(-1), w.max(-1)
+    s0 = ((wmax - wmin) / 7).astype(np.float16)
+    b0 = wmin.astype(np.float16)
+
+    def err(s, b):
+        s32, b32 = s.astype(np.float32)[..., None], b.astype(np.float32)[..., None]
+        q = np.clip(np.rint((w - b32) / s32), 0, 7)
+        return (((s32 * q + b32) - w) ** 2 * weight).sum(-1)
+
+    s1, b1 = refine_group_params(mx.array(w), mx.array(s0), mx.array(b0), 3, mx.array(weight))
+    e0, e1 = err(s0, b0), err(np.array(s1), np.array(b1))
+    assert np.all(e1 <= e0 * (1 + 1e-5))
+    assert e1.sum() < 0.9 * e0.sum()
+
+
+def test_expert_bank_shared_and_per_expert_gram():
+    n_exp, out_f, in_f = 3, 32, 128
+    ws, xs = zip(*[_problem(out_f, in_f, 512, seed=10 + e) for e in range(n_exp)])
+    bank = np.stack(ws)
+    grams = np.stack([x.T @ x for x in xs])
+    shared = grams.sum(0)
+    opt = QuantOption.parse("0.25:4b_32g/0.75:3b_64g")
+    per = gptq_quantize(bank, opt, grams)
+    one = gptq_quantize(bank, opt, shared)
+    for qt in (per, one):
+        assert qt.dequantize().shape == (n_exp, out_f, in_f)
+        assert qt.parts[0][0].shape[0] == n_exp
+    assert per.stats["hessian"] == "per_expert" and one.stats["hessian"] == "shared"
+    rtn = np.array(quantize_weight(mx.array(bank), opt, mx.array(grams), clip=False).dequantize())
+    dq_per, dq_one = np.array(per.dequantize()), np.array(one.dequantize())
+    for e in range(n_exp):
+        assert _out_err(xs[e], ws[e], dq_per[e]) < _out_err(xs[e], ws[e], rtn[e])
+    # expert-specific Hessians fit each expert's own inputs better than a shared one
+    per_total = sum(_out_err(xs[e], ws[e], dq_per[e]) for e in range(n_exp))
+    one_total = sum(_out_err(xs[e], ws[e], dq_one[e]) for e in range(n_exp))
+    assert per_total < one_total
+    # a per-expert stack of identical Grams computes what the shared one does
+    same = gptq_quantize(bank, opt, np.broadcast_to(shared, grams.shape).copy())
+    diff = np.mean(np.array(same.dequantize()) != dq_one)
+    assert diff < 0.01
+
+
+def test_expert_bank_matches_per_expert_calls():
+    n_exp, out_f, in_f = 2, 16, 64
+    ws, xs = zip(*[_problem(out_f, in_f, 256, seed=20 + e) for e in range(n_exp)])
+    grams = np.stack([x.T @ x for x in xs])
+    opt = QuantOption.uniform(3, 32)
+    # natural order: a bank shares one processing order, a single expert would use its own act-order
+    bank = gptq_quantize(np.stack(ws), opt, grams, act_order=False)
+    dq = np.array(bank.dequantize())
+    for e in range(n_exp):
+        single = np.array(gptq_quantize(ws[e], opt, grams[e], act_order=False).dequantize())
+        assert np.mean(dq[e] != single) < 0.01
+
+
+def test_dead_channels_and_rank_deficient_gram():
+    w, x = _problem(32, 128, 40, seed=7)  # fewer rows than channels: singular Gram
+    x[:, :5] = 0.0  # channels never active
+    gram = x.T @ x
+    qt = gptq_quantize(w, QuantOption.uniform(3, 64), gram)
+    wq = np.array(qt.dequantize())
+    assert np.all(np.isfinite(wq))
+    rtn = np.array(quantize_weight(mx.array(w), QuantOption.uniform(3, 64), clip=False).dequantize())
+    assert _out_err(x, w, wq) < _out_err(x, w, rtn)
+
+
+def test_keep16_and_bad_input(layer):
+    w, _, gram = layer
+    kept = gptq_quantize(w, QuantOption.fp16(), gram)
+    assert kept.fp is not None and kept.parts == []
+    opt = QuantOption.uniform(4, 64)
+    with pytest.raises(ValueError, match="Gram"):
+        gptq_quantize(w, opt, None)
+    with pytest.raises(ValueError, match="gram shape"):
+        gptq_quantize(w, opt, gram[:128, :128])
+    with pytest.raises(ValueError, match="does not fit"):
+        gptq_quantize(w[:, :96], QuantOption.uniform(4, 64), gram[:96, :96])
+    with pytest.raises(ValueError, match="damp"):
+        gptq_quantize(w, opt, gram, damp=-1.0)
+    with pytest.raises(ValueError, match="block_size"):
+        gptq_quantize(w, opt, gram, block_size=0)
