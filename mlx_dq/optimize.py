@@ -264,7 +264,7 @@ def _build(
             if k in keep_keys:
                 _keep_member(it, m.tensors[k])
                 kept.add(k)
-    budget = int(math.floor(target_bpw * numel_budget))
+    budget = int(math.floor(target_bpw * numel_budget + 1e-6))  # tolerate float rounding of target x weights
     settings = {
         "head_option": None if head_opt is None else head_opt.desc, "keep": list(keep),
         "keep_most_sensitive": keep_most_sensitive, "parts": None if parts is None else {k: list(v) for k, v in parts.items()},
