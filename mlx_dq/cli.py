@@ -60,7 +60,7 @@ def info(model: str) -> None:
               help="HF folder, hub id, .gguf file or smollm2-135m.")
 @click.option("--text", "text_path", type=click.Path(), default=None,
               help="Evaluation .txt/.jsonl file or folder [default: the bundled evaluation text].")
-@click.option("--rows", default=16, show_default=True, type=click.IntRange(min=1), help="Number of token rows.")
+@click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Number of token rows.")
 @click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for choosing the rows.")
 @click.option("--batch-size", default=4, show_default=True, type=click.IntRange(min=1), help="Rows per forward pass.")
