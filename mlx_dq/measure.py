@@ -147,7 +147,7 @@ def reference_option(options: Sequence[QuantOption], in_features: int, ref: str 
         return want
     fitting = [o for o in options if not o.keep16 and o.fits(in_features)]
     if not fitting:
-        raise ValueError(f"no option fits a tensor with {in_features} input features")
+        return QuantOption.fp16()
     return min(fitting, key=lambda o: (abs(o.nominal_bpw() - want.nominal_bpw()), o.desc))
 
 
@@ -185,8 +185,11 @@ def measure_tensor(
             err = weight_error(w, wq)
         clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
         rec.add_option(opt, err, weight_err=weight_error(w, wq), clip=clip_stats or None)
-    if not rec.options:
-        raise ValueError(f"{key}: no option of role {role!r} fits shape {shape}")
+    if not rec.options:  # nothing in the grid fits this shape: the tensor can only stay 16-bit
+        qt = quantize_weight(w, QuantOption.fp16())
+        wq = qt.dequantize(mx.float32)
+        err = output_error(w, wq, quant_gram) if quant_gram is not None else weight_error(w, wq)
+        rec.add_option(QuantOption.fp16(), err, weight_err=weight_error(w, wq))
     if stats is not None:
         rec.extra["act_energy"] = _energy_summary(stats)
         rec.extra["input_rows"] = int(stats.rows)

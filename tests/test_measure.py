@@ -1,0 +1,259 @@
+"""Tests for the sensitivity measurer: exact Gram-based errors, streaming, resume, generic modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from fixtures_models import make_tiny_model_folder
+from mlx_dq import calib
+from mlx_dq.evaluate import perplexity
+from mlx_dq.measure import measure, measure_module, strip_timing
+from mlx_dq.options import QuantOption
+from mlx_dq.quant import quantize_weight
+from mlx_dq.sources import resolve
+
+GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g", "1.0:4b_32g", "1.0:4b_128g", "1.0:8b_64g"]}
+
+
+@pytest.fixture(scope="module")
+def grid_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("grid") / "grid.json"
+    path.write_text(json.dumps({"description": "test grid", "roles": GRID}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("models")
+    return {
+        "llama": make_tiny_model_folder(tmp, "llama", num_layers=3),
+        "qwen2": make_tiny_model_folder(tmp, "qwen2", num_layers=2),
+        "qwen3_moe": make_tiny_model_folder(tmp, "qwen3_moe", num_layers=2),
+    }
+
+
+def _run(folder: Path, grid: Path, out: Path | None = None, **kw):
+    kw.setdefault("rows", 4)
+    kw.setdefault("seq_len", 48)
+    kw.setdefault("batch_size", 2)
+    kw.setdefault("clip", False)  # the clip search is tested with the quantizer; here it only costs time
+    return measure(str(folder), grid=str(grid), out_path=out, progress=False, **kw)
+
+
+class _Recorder(nn.Module):
+    """Wraps a layer and keeps every (input, extra args) it is called with."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.seen: list = []
+
+    def __call__(self, x, *args, **kwargs):
+        self.seen.append((x, args, kwargs))
+        return self.inner(x, *args, **kwargs)
+
+
+def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, name = path.rsplit(".", 1)
+    parent = dict(model.named_modules())[parent_path]
+    setattr(parent, name, new)
+
+
+def _direct_errors(folder: Path, tokens: mx.array, paths: list[str], option: str) -> dict[str, float]:
+    """Relative output errors from running the whole model and re-multiplying each layer's actual inputs.
+
+    Expert banks are re-run with mx.gather_mm on the inputs and routing the model gave them.
+    """
+    model = resolve(str(folder)).model(mx.float32)
+    recs = {}
+    for p in paths:
+        recs[p] = _Recorder(dict(model.named_modules())[p])
+        _set_module(model, p, recs[p])
+    mx.eval(model(tokens))
+    out = {}
+    for p, rec in recs.items():
+        w = rec.inner.weight
+        wq = quantize_weight(w, QuantOption.parse(option), clip=False).dequantize(mx.float32)
+        num = den = 0.0
+        for x, args, kwargs in rec.seen:
+            if args:  # expert bank called as (x, indices, sorted_indices=...)
+                y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=args[0], **kwargs)
+                yq = mx.gather_mm(x, wq.swapaxes(-1, -2), rhs_indices=args[0], **kwargs)
+            else:
+                y, yq = x @ w.T, x @ wq.T
+            num += float(((yq - y) ** 2).sum().item())
+            den += float((y**2).sum().item())
+        out[p] = (num / den) ** 0.5
+    return out
+
+
+def _tokens(folder: Path, rows: int, seq_len: int, seed: int = 0) -> mx.array:
+    src = resolve(str(folder))
+    return calib.sample_rows(src.tokenizer(), calib.default_calibration_texts(), rows, seq_len, seed)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
+def test_gram_errors_match_direct_errors(folders, grid_file, family):
+    folder = folders[family]
+    m = _run(folder, grid_file)
+    keys = [k for k in m.tensors if ".layers." in k]
+    assert len(keys) >= 7 * 2
+    for desc in ("1.0:3b_64g", "1.0:2b_64g"):
+        direct = _direct_errors(folder, _tokens(folder, 4, 48), keys, desc)
+        for k in keys:
+            assert m.tensors[k].find(desc).err == pytest.approx(direct[k], rel=1e-4), (k, desc)
+
+
+def test_streamed_perplexity_equals_full_model(folders, grid_file):
+    folder = folders["llama"]
+    m = _run(folder, grid_file, importance="none")
+    model = resolve(str(folder)).model(mx.float32)
+    assert m.base_perplexity == pytest.approx(perplexity(model, _tokens(folder, 4, 48)), rel=1e-4)
+
+
+def test_records_have_bits_shapes_and_importance(folders, grid_file):
+    m = _run(folders["qwen3_moe"], grid_file)
+    bank = m.tensors["model.layers.0.mlp.switch_mlp.gate_proj"]
+    assert bank.shape[0] == 4 and bank.extra["shares_input_with"] == ["model.layers.0.mlp.switch_mlp.up_proj"]
+    for t in m.tensors.values():
+        errs = {o.desc: o.err for o in t.options}
+        assert errs["1.0:2b_64g"] > errs["1.0:3b_64g"] > errs["1.0:8b_64g"] > 0
+        for o in t.options:
+            assert o.total_bits == o.option.storage_bits(t.shape)
+        assert t.importance > 0
+    assert m.tensors["model.embed_tokens"].extra["err_kind"] == "lookup"
+    assert "lm_head" in m.tensors
+
+
+def test_options_that_do_not_fit_are_skipped(tmp_path, grid_file):
+    folder = make_tiny_model_folder(tmp_path, "llama", num_layers=1, hidden=96, intermediate=192, heads=3, kv_heads=1)
+    m = _run(folder, grid_file)
+    q = m.tensors["model.layers.0.self_attn.q_proj"]  # in_features 96: only groups of 32 fit
+    assert [o.desc for o in q.options] == ["1.0:4b_32g"]
+    assert q.extra["importance_ref"] == "1.0:4b_32g"
+
+
+def test_resume_after_interruption_equals_uninterrupted(folders, grid_file, tmp_path):
+    folder = folders["llama"]
+    full, part = tmp_path / "full.json", tmp_path / "part.json"
+    _run(folder, grid_file, full, clip=True)
+    with pytest.raises(RuntimeError, match="after layer 0"):
+        _run(folder, grid_file, part, clip=True, _fail_after_layer=0)
+    saved = json.loads(part.read_text())
+    assert saved["last_module_idx"] == 0 and not saved["extra"]["complete"]
+    assert Path(str(part) + ".state.safetensors").exists()
+    _run(folder, grid_file, part, clip=True)
+    a, b = json.loads(full.read_text()), json.loads(part.read_text())
+    assert strip_timing(a) == strip_timing(b)
+    assert b["extra"]["complete"] and not Path(str(part) + ".state.safetensors").exists()
+
+
+def test_deterministic_and_seed_changes_rows(folders, grid_file, tmp_path):
+    folder = folders["qwen2"]
+    runs = [json.loads((_run(folder, grid_file, tmp_path / f"{i}.json", seed=s), (tmp_path / f"{i}.json").read_text())[1])
+            for i, s in enumerate((3, 3, 4))]
+    assert strip_timing(runs[0]) == strip_timing(runs[1])
+    assert runs[0]["calibration"]["tokens_digest"] != runs[2]["calibration"]["tokens_digest"]
+
+
+def test_resume_refuses_other_settings(folders, grid_file, tmp_path):
+    out = tmp_path / "m.json"
+    _run(folders["llama"], grid_file, out, rows=2)
+    with pytest.raises(ValueError, match="different settings"):
+        _run(folders["llama"], grid_file, out, rows=3)
+    _run(folders["llama"], grid_file, out, rows=3, resume=False)
+    assert json.loads(out.read_text())["calibration"]["rows"] == 3
+
+
+def test_bad_arguments(folders, grid_file):
+    with pytest.raises(ValueError, match="importance"):
+        _run(folders["llama"], grid_file, importance="bogus")
+    with pytest.raises(ValueError, match="rows"):
+        _run(folders["llama"], grid_file, rows=0)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.f1 = nn.Linear(d, 2 * d)
+        self.f2 = nn.Linear(2 * d, d)
+
+    def __call__(self, x):
+        return x + self.f2(nn.gelu(self.f1(x)))
+
+
+class _Net(nn.Module):
+    """A small non-LLM model with parts named groups.N.M.f1 / heads.0."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.groups = [[_Block(d), _Block(d)], [_Block(d)]]
+        self.heads = [nn.Linear(d, 32)]
+
+    def __call__(self, x):
+        for g in self.groups:
+            for b in g:
+                x = b(x)
+        return self.heads[0](x)
+
+
+def test_measure_module_generic(grid_file):
+    mx.random.seed(1)
+    net = _Net()
+    mx.eval(net.parameters())
+    inputs = [mx.random.normal((16, 64)) for _ in range(3)]
+    m = measure_module(net, inputs, grid=str(grid_file))
+    assert sorted(m.tensors) == sorted(
+        ["groups.0.0.f1", "groups.0.0.f2", "groups.0.1.f1", "groups.0.1.f2", "groups.1.0.f1", "groups.1.0.f2",
+         "heads.0"]
+    )
+    # direct error of groups.0.1.f2 from its actual inputs
+    blk = net.groups[0][1]
+    x = net.groups[0][0](mx.concatenate(inputs))
+    xin = nn.gelu(blk.f1(x))
+    w = blk.f2.weight
+    rec = m.tensors["groups.0.1.f2"]
+    for o in rec.options:
+        wq = quantize_weight(w, o.option, gram=xin.T @ xin).dequantize(mx.float32)
+        direct = float(mx.linalg.norm(xin @ (wq - w).T) / mx.linalg.norm(xin @ w.T))
+        assert o.err == pytest.approx(direct, rel=1e-3)
+    assert all(t.importance > 0 for t in m.tensors.values())
+
+
+def test_measure_module_needs_inputs_and_linears(grid_file):
+    with pytest.raises(ValueError, match="input batch"):
+        measure_module(_Net(), [], grid=str(grid_file))
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        measure_module(nn.ReLU(), [mx.zeros((2, 2))], grid=str(grid_file))
+
+
+@pytest.mark.slow
+def test_bundled_model_gram_errors_match_direct(tmp_path, grid_file):
+    from mlx_dq.sources import DEFAULT_MODEL
+
+    src = resolve(DEFAULT_MODEL)
+    m = measure(DEFAULT_MODEL, rows=2, seq_len=64, grid=str(grid_file), clip=False, importance="none",
+                progress=False)
+    keys = [f"model.layers.{i}.{p}" for i in (0, src.num_layers - 1)
+            for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
+    model = src.model(mx.float32)
+    tokens = calib.sample_rows(src.tokenizer(), calib.default_calibration_texts(), 2, 64, 0)
+    recs = {}
+    for p in keys:
+        recs[p] = _Recorder(dict(model.named_modules())[p])
+        _set_module(model, p, recs[p])
+    mx.eval(model(tokens))
+    for p, rec in recs.items():
+        x = mx.concatenate([s[0].reshape(-1, s[0].shape[-1]) for s in rec.seen])
+        w = rec.inner.weight
+        for desc in ("1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g"):  # act-order of the mixed one from x's energy
+            wq = quantize_weight(w, QuantOption.parse(desc), gram=x.T @ x, clip=False).dequantize(mx.float32)
+            direct = float(mx.linalg.norm(x @ wq.T - x @ w.T) / mx.linalg.norm(x @ w.T))
+            assert m.tensors[p].find(desc).err == pytest.approx(direct, rel=1e-4), (p, desc)
+    assert m.base_perplexity == pytest.approx(perplexity(model, tokens), rel=1e-4)
