@@ -67,6 +67,17 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama3_rope_divisors(theta: float, dim: int, scaling: dict) -> np.ndarray:
+    """Per-frequency divisors of Llama 3 rope scaling, as llama.cpp computes them for ``rope_freqs``."""
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    mid = 1.0 / ((1.0 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid))
+
+
 class GGUFFile:
     """A memory-mapped GGUF model: HF-named tensors, an mlx-lm config, tokenizer files."""
 
@@ -163,10 +174,10 @@ class GGUFFile:
             cfg["head_dim"] = int(head_dim)
         if (scaling := m("rope.scaling.type")) not in (None, "none"):
             cfg["rope_scaling"] = {"rope_type": scaling, "type": scaling, "factor": float(m("rope.scaling.factor", 1.0))}
-        if self.arch == "llama" and gguf.TENSOR_NAMES[MT.ROPE_FREQS] + ".weight" in {t.name for t in self.reader.tensors}:
-            raise ValueError(
-                f"{self.path} stores llama3-style rope frequency factors (rope_freqs), which are not supported yet"
-            )
+            if (orig := m("rope.scaling.original_context_length")) is not None:
+                cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+        if self.arch == "llama" and (freqs := self._rope_freqs()) is not None:
+            cfg["rope_scaling"] = self._llama3_rope_scaling(freqs, cfg)
         if self.arch == "gemma3":
             hd = cfg.get("head_dim", hidden // n_heads)
             # llama.cpp: 27B (62 layers) scales queries by hidden/heads, the others by head_dim.
@@ -178,6 +189,32 @@ class GGUFFile:
             if (tid := self.meta(f"tokenizer.ggml.{key}")) is not None:
                 cfg[key.replace("padding", "pad")] = int(tid)
         return cfg
+
+    def _rope_freqs(self) -> np.ndarray | None:
+        """llama.cpp's per-frequency rope divisors (``rope_freqs.weight``), if the file has them."""
+        name = gguf.TENSOR_NAMES[MT.ROPE_FREQS] + ".weight"
+        for t in self.reader.tensors:
+            if t.name == name:
+                return gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).astype(np.float64)
+        return None
+
+    def _llama3_rope_scaling(self, freqs: np.ndarray, cfg: dict) -> dict:
+        """The HF ``llama3`` rope_scaling that produced ``freqs`` (llama.cpp stores only the result).
+
+        The factor is the largest divisor; the other settings are Llama 3's published values
+        (low 1, high 4, original context 8192), checked against every stored divisor.
+        """
+        scaling = {
+            "rope_type": "llama3",
+            "factor": float(freqs.max()),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": int(self._arch_meta("rope.scaling.original_context_length", 8192)),
+        }
+        dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        if freqs.shape != (dim // 2,) or not np.allclose(llama3_rope_divisors(cfg["rope_theta"], dim, scaling), freqs, rtol=1e-4):
+            raise ValueError(f"{self.path}: rope_freqs does not match llama3 rope scaling; this rope variant is not supported")
+        return scaling
 
     def tokenizer_config(self) -> dict:
         """The tokenizer's construction dict (special tokens, BOS/EOS flags, chat template)."""

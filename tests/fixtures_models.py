@@ -248,11 +248,13 @@ def write_tiny_gguf(
     weights: dict[str, mx.array],
     qtypes: dict[str, str] | None = None,
     default_qtype: str = "F32",
+    extra: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write ``weights`` (HF names) as a GGUF for llama/qwen2/gemma3 the way llama.cpp does; return what was stored.
 
     ``qtypes`` maps a substring of an HF name to a GGML type name ("Q8_0", "Q4_K", "F16", ...);
     "Q4_K" stores random valid blocks (the gguf package cannot quantize K-quants) instead of the weight.
+    ``extra`` holds float32 tensors stored as is under their GGUF names (e.g. ``rope_freqs.weight``).
     The returned dict holds, per HF name, the float weight the file now represents in HF layout.
     """
     import gguf
@@ -314,6 +316,8 @@ def write_tiny_gguf(
             stored_w = stored_w - 1.0
         stored[name] = stored_w if qname != "F32" else hf_w
         writer.add_tensor(_gguf_name(name, config["model_type"]), data, raw_dtype=qtype if qname not in ("F32", "F16") else None)
+    for gguf_name, data in (extra or {}).items():
+        writer.add_tensor(gguf_name, np.asarray(data, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -92,6 +92,43 @@ def test_gemma3_gguf_norm_offset(tmp_path):
     np.testing.assert_allclose(np.array(src.model()(_ids(tok))), np.array(_reference(config, stored)(_ids(tok))), atol=1e-4)
 
 
+def _llama_cpp_rope_factors(theta: float, dim: int, rs: dict) -> list[float]:
+    """llama.cpp's convert_hf_to_gguf loop for Llama 3 ``rope_freqs`` (written out independently)."""
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi / (1.0 / theta ** (i / dim))
+        old = rs["original_max_position_embeddings"]
+        if wavelen < old / rs["high_freq_factor"]:
+            factors.append(1.0)
+        elif wavelen > old / rs["low_freq_factor"]:
+            factors.append(rs["factor"])
+        else:
+            smooth = (old / wavelen - rs["low_freq_factor"]) / (rs["high_freq_factor"] - rs["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rs["factor"] + smooth))
+    return factors
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    config = dict(tiny_config("llama", 2), rope_theta=500000.0, rope_scaling=rope)
+    weights = random_weights(config, seed=5)
+    factors = _llama_cpp_rope_factors(config["rope_theta"], config["head_dim"], rope)
+    assert {1.0, 32.0} < set(factors)  # all three regions of the rule are exercised
+    path = tmp_path / "llama3.gguf"
+    stored = write_tiny_gguf(path, config, weights, extra={"rope_freqs.weight": np.array(factors)})
+    src = resolve(str(path))
+    assert src.config["rope_scaling"] == rope
+    assert "rope_freqs.weight" not in src.weight_names()
+    ids = mx.array([list(range(3, 300))])  # long enough for the low frequencies to matter
+    np.testing.assert_allclose(np.array(src.model()(ids)), np.array(_reference(config, stored)(ids)), atol=1e-4)
+
+    bad = tmp_path / "bad_rope.gguf"
+    write_tiny_gguf(bad, config, weights, extra={"rope_freqs.weight": np.linspace(1, 7, len(factors))})
+    with pytest.raises(ValueError, match="rope_freqs"):
+        resolve(str(bad))
+
+
 def test_gguf_tokenizer_rebuilt_from_metadata(tmp_path):
     path, config, _, _ = _write(tmp_path, "llama", 2, {})
     src = resolve(str(path))
