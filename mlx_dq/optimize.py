@@ -68,7 +68,13 @@ class PlanEntry:
 
 @dataclass
 class Plan:
-    """One option per tensor plus the accounting that justifies it."""
+    """One option per tensor plus the accounting that justifies it.
+
+    ``achieved_bpw``, ``objective`` (predicted damage), ``lower_bound`` and ``gap``
+    cover the budget scope (decoder tensors, kept ones included); ``total_bpw``
+    counts every tensor, head and embedding too. ``multiplier`` is the LP's
+    damage-per-bit price at the budget (the Lagrange multiplier).
+    """
 
     target_bpw: float
     achieved_bpw: float
@@ -85,6 +91,7 @@ class Plan:
     settings: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    multiplier: float | None = None
 
     def entry(self, key: str) -> PlanEntry:
         """The entry of tensor ``key``."""
@@ -245,6 +252,10 @@ def _build(
 
     # explicit keep list, then the keep-most-sensitive rule per part
     numel_budget = sum(it.numel for it in items)
+    all_keys = [k for it in items for k in it.members] + [e.key for e in fixed]
+    for pat in keep:
+        if not any(_match(k, [pat]) for k in all_keys):
+            raise ValueError(f"keep pattern {pat!r} matches no tensor of the measurement")
     ref_sens = {it.key: _sensitivity(it, target_bpw) for it in items}
     keep_keys = {k for it in items for k in it.members if _match(k, keep)}
     if keep_most_sensitive:
@@ -556,7 +567,7 @@ def optimize(
     p = _build(measurement, target_bpw, head_option, keep, keep_most_sensitive, parts, mlx_lm_compatible, err_power)
     _check_range(p)
     pruned = [_prune(it) for it in p.items]
-    pos, bound, _lam = _lp_walk(p, pruned)
+    pos, bound, lam = _lp_walk(p, pruned)
     used = sum(int(it.bits[idx[j]]) for it, idx, j in zip(p.items, pruned, pos))
     used = _fill_in(p, pruned, pos, used)
     scale = max(bound, 1e-300)
@@ -568,6 +579,7 @@ def optimize(
         method = "exact-pareto-dp"
     choice = [int(idx[j]) for idx, j in zip(pruned, pos)]
     plan = _make_plan(p, measurement, choice, bound, method, t0)
+    plan.multiplier = lam
     if plan.used_bits > p.budget:  # the solver never does this; guard the invariant
         raise RuntimeError("internal error: plan exceeds the budget")
     if bound is not None and plan.objective < bound - 1e-9 * max(abs(bound), 1e-300):

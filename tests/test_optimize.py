@@ -211,6 +211,8 @@ def test_explicit_keep_patterns_and_head_scope() -> None:
     assert plan.kept == ["model.layers.3.mlp.down_proj"]
     with pytest.raises(ValueError, match="mixed"):
         optimize(m, 9.0, head_option="0.1:4b_32g/0.9:3b_32g", mlx_lm_compatible=True)
+    with pytest.raises(ValueError, match="no_such"):
+        optimize(m, 9.0, keep=["no_such.*"])
 
 
 def _joint(rng: np.random.Generator) -> Measurement:
