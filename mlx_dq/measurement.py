@@ -333,18 +333,23 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+def _joint_bits_match(shapes: Mapping[str, tuple], options: Sequence[Mapping]) -> bool:
+    """Whether member shapes ([out, in]) reproduce every joint option's total_bits (current EXL2 form)."""
+    return all(
+        sum(exl2_storage_bits(shapes[k][1], shapes[k][0], o[k], 32) for k in shapes) == round(float(o["total_bits"]))
+        for o in options
+    )
+
+
 def _recover_joint_shapes(module: str, options: Sequence[Mapping], hidden: int | None, path: str) -> dict[str, tuple]:
     """[out, in] of every member of a jointly measured llama-style module, from total_bits."""
     members = [k for k in options[0] if isinstance(options[0][k], dict)]
-    first, rest = options[0], options[1:]
+    first = options[0]
     step = 32
     hs = np.array([hidden]) if hidden else np.arange(step, 16384 + 1, step)
 
     def check(shapes: dict[str, tuple[int, int]]) -> bool:
-        return all(
-            sum(exl2_storage_bits(shapes[m][1], shapes[m][0], o[m], 32) for m in members) == round(float(o["total_bits"]))
-            for o in options
-        )
+        return _joint_bits_match(shapes, options)
 
     if sorted(members) == sorted(_ATTN):
         h = hs[:, None, None]
@@ -511,8 +516,10 @@ def _from_exl2_v2(data: dict, path: str, shapes: Mapping, mode: str) -> Measurem
         full = {k: f"{mod}.{k}" for k in members}
         if all(full[k] in shapes for k in members):
             sh = {k: tuple(shapes[full[k]]) for k in members}
-        else:
-            sh = _recover_joint_shapes(mod, opts, hidden, path)
+        else:  # layers of one model share shapes: try the last match of the same members first
+            sh = next((prev for prev in reversed(recovered.values())
+                       if sorted(prev) == sorted(members) and _joint_bits_match(prev, opts)), None)
+            sh = sh or _recover_joint_shapes(mod, opts, hidden, path)
         if hidden is None and "down_proj" in sh:
             hidden = sh["down_proj"][0]
         recovered[mod] = sh

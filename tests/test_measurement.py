@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -22,6 +23,12 @@ from mlx_dq.measurement import (
 from mlx_dq.options import QuantOption
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(path: Path) -> Measurement:
+    """Each seed is parsed once per test session (tests only read it)."""
+    return load_measurement(path)
 
 
 def _seed(prefix: str) -> Path:
@@ -85,7 +92,7 @@ def test_add_option_counts_mlx_storage() -> None:
 
 @pytest.mark.parametrize("prefix", ["000", "001"])
 def test_exl2_seeds_round_trip(prefix: str, tmp_path: Path) -> None:
-    m = load_measurement(_seed(prefix))
+    m = _loaded(_seed(prefix))
     out = tmp_path / "ours.json"
     save_measurement(m, out)
     assert load_measurement(out) == m
@@ -94,7 +101,7 @@ def test_exl2_seeds_round_trip(prefix: str, tmp_path: Path) -> None:
 def test_exl2_old_form_seed_contents() -> None:
     path = _seed("000")
     raw = json.loads(path.read_text())
-    m = load_measurement(path)
+    m = _loaded(path)
     assert m.source_format == "exl2_v1"
     assert m.base_perplexity == raw["base_perplexity"]
     assert len(m.tensors) == len(raw["measurement"])
@@ -118,7 +125,7 @@ def test_exl2_old_form_seed_contents() -> None:
 def test_exl2_current_form_seed_contents() -> None:
     path = _seed("001")
     raw = json.loads(path.read_text())["measurement"]
-    m = load_measurement(path)
+    m = _loaded(path)
     assert m.source_format == "exl2_v2"
     measured = [k for k, v in raw.items() if v]
     assert sorted(m.groups) == sorted(measured)
