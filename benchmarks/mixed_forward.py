@@ -1,0 +1,123 @@
+"""Forward time of a mixed 10%/90% layer relative to a uniform layer on the portable path.
+
+Run (Linux CPU): LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    python benchmarks/mixed_forward.py [--json out.json]
+
+For each shape and batch it times, interleaved, the fastest of repeated calls
+(the minimum is the least noisy statistic on a shared machine; medians are kept too):
+  mixed    MixedLinear "0.1:4b_32g/0.9:3b_32g" (cached fp32 weight, permutation folded in)
+  uniform  MixedLinear "1.0:4b_32g" (same path, one segment, no permutation)   <- the 1.15x goal
+  xperm    alternative: permute x per call, one matmul on the concatenated segments
+  fp32     nn.Linear with the dequantized weight (the floor)
+and once: the first call (cache build) and MLX's own QuantizedLinear (CPU quantized_matmul).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import click
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_dq import kernels
+from mlx_dq.mixed import MixedLinear
+from mlx_dq.options import QuantOption
+from mlx_dq.quant import quantize_weight
+
+SHAPES = [(576, 1536), (1536, 576), (4096, 4096)]
+BATCHES = [1, 512]
+MIXED, UNIFORM = "0.1:4b_32g/0.9:3b_32g", "1.0:4b_32g"
+GOAL = 1.15
+
+
+def _time_once(fn, x: mx.array) -> float:
+    t0 = time.perf_counter()
+    mx.eval(fn(x))
+    return time.perf_counter() - t0
+
+
+def time_interleaved(fns: dict, x: mx.array, repeats: int) -> dict[str, tuple[float, float]]:
+    """(min, median) seconds per call of each function, calls interleaved to share machine noise."""
+    for fn in fns.values():
+        mx.eval(fn(x))
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            samples[k].append(_time_once(fn, x))
+    return {k: (min(v), statistics.median(v)) for k, v in samples.items()}
+
+
+def bench_shape(in_f: int, out_f: int, batch: int, repeats: int) -> dict:
+    """Times of every variant for one ``in_f -> out_f`` layer and batch of tokens."""
+    w = mx.random.normal((out_f, in_f), key=mx.random.key(0)) * 0.02
+    mixed = MixedLinear.from_quantized(quantize_weight(w, QuantOption.parse(MIXED), clip=False))
+    uniform = MixedLinear.from_quantized(quantize_weight(w, QuantOption.parse(UNIFORM), clip=False))
+    x = mx.random.normal((batch, in_f), key=mx.random.key(1))
+    mx.eval(mixed.parameters(), uniform.parameters(), x)
+
+    t0 = time.perf_counter()
+    mx.eval(mixed(x))
+    first_call = time.perf_counter() - t0
+
+    fp = nn.Linear(in_f, out_f, bias=False)
+    fp.weight = mixed.dequantize()
+    wcat = mx.concatenate(
+        [mx.dequantize(p, s.astype(mx.float32), b.astype(mx.float32), group_size=g, bits=nb)
+         for (p, s, b), nb, g in zip(mixed.parts, mixed.seg_bits, mixed.seg_group_sizes)], axis=-1)
+    perm = mixed["perm"].astype(mx.uint32)
+    mx.eval(fp.parameters(), wcat)
+
+    def xperm(v: mx.array) -> mx.array:
+        return mx.take(v, perm, axis=-1) @ wcat.T
+
+    reps = max(5, min(repeats, int(2e9 // (in_f * out_f * batch))))
+    t = time_interleaved({"mixed": mixed, "uniform": uniform, "xperm": xperm, "fp32": fp}, x, reps)
+    stock = nn.QuantizedLinear(in_f, out_f, bias=False, group_size=32, bits=4)
+    stock.weight, stock.scales, stock.biases = uniform.parts[0]
+    if in_f * out_f * batch < 1e9:
+        t["mlx_qmm"] = time_interleaved({"q": stock}, x, 2)["q"]
+    else:  # tens of seconds per call on CPU: one cold call
+        one = _time_once(stock, x)
+        t["mlx_qmm"] = (one, one)
+    ms = {k: v[0] * 1e3 for k, v in t.items()}
+    ms["first_call"] = first_call * 1e3
+    return {"in": in_f, "out": out_f, "batch": batch, "repeats": reps, "ms": ms,
+            "median_ms": {k: v[1] * 1e3 for k, v in t.items()},
+            "ratio_vs_uniform": t["mixed"][0] / t["uniform"][0],
+            "median_ratio_vs_uniform": t["mixed"][1] / t["uniform"][1]}
+
+
+@click.command()
+@click.option("--repeats", default=200, show_default=True, help="most timed calls per variant (fewer for big shapes)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="also write results here")
+def main(repeats: int, json_path: str | None) -> None:
+    """Print mixed/uniform forward-time ratios on the portable path against the 1.15x goal."""
+    if kernels.metal_active():
+        raise click.ClickException("this benchmark measures the portable path; run it with the CPU device")
+    rows = []
+    click.echo(f"mixed {MIXED} vs uniform {UNIFORM}, portable path, fastest-call ms (ratio of medians in 'med')")
+    click.echo(f"{'shape':>11} {'batch':>5} {'mixed':>8} {'uniform':>8} {'ratio':>6} {'med':>6} {'goal':>5} "
+               f"{'xperm':>8} {'fp32':>8} {'1st call':>9} {'mlx qmm':>9}")
+    for in_f, out_f in SHAPES:
+        for batch in BATCHES:
+            r = bench_shape(in_f, out_f, batch, repeats)
+            ms = r["ms"]
+            ok = "ok" if r["ratio_vs_uniform"] <= GOAL else "MISS"
+            click.echo(
+                f"{in_f:>5}->{out_f:<5} {batch:>5} {ms['mixed']:8.3f} {ms['uniform']:8.3f} "
+                f"{r['ratio_vs_uniform']:6.3f} {r['median_ratio_vs_uniform']:6.3f} {ok:>5} {ms['xperm']:8.3f} "
+                f"{ms['fp32']:8.3f} {ms['first_call']:9.2f} {ms['mlx_qmm']:9.2f}"
+            )
+            rows.append(r)
+    worst = max(r["ratio_vs_uniform"] for r in rows)
+    click.echo(f"worst mixed/uniform ratio {worst:.3f} (goal <= {GOAL})")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"mixed": MIXED, "uniform": UNIFORM, "goal": GOAL, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
