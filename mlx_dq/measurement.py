@@ -51,9 +51,6 @@ from .options import VALID_BITS, VALID_GROUPS, QuantOption, Segment
 FORMAT_NAME = "mlx_dq.measurement"
 FORMAT_VERSION = 1
 
-ROLES = ("attn_in", "attn_out", "mlp_in", "mlp_out", "expert", "embed", "head", "other")
-
-
 # --------------------------------------------------------------------------- records
 @dataclass
 class OptionRecord:
@@ -88,7 +85,7 @@ class TensorRecord:
     key: str
     shape: tuple[int, ...]
     numel: int = 0
-    role: str = "other"
+    role: str = "default"
     importance: float = 1.0
     options: list[OptionRecord] = field(default_factory=list)
     group: str | None = None
@@ -182,24 +179,29 @@ class Measurement:
 
 
 def guess_role(key: str) -> str:
-    """A tensor's role from its module path (attention in/out, MLP in/out, expert, embed, head)."""
-    last = key.rsplit(".", 1)[-1]
-    low = key.lower()
-    if any(t in low for t in ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")):
-        return "embed"
-    if last in ("lm_head", "output", "head") or low.startswith("lm_head"):
-        return "head"
-    if any(t in low for t in ("switch_mlp", "experts", "block_sparse_moe.w", "expert")):
-        return "expert"
-    if last in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query", "key", "value", "qkv", "wq", "wk", "wv", "c_attn"):
+    """A tensor's grid role from its module path (the roles of :mod:`mlx_dq.grids`).
+
+    ``attn_in``, ``attn_out``, ``mlp_in``, ``mlp_out``, ``embed_head``,
+    ``expert_in``, ``expert_out`` or ``default``.
+    """
+    parts = [p for p in key.lower().split(".") if p]
+    if parts and parts[-1] == "weight":
+        parts = parts[:-1]
+    last = parts[-1] if parts else ""
+    parents = set(parts[:-1])
+    if parents & {"switch_mlp", "experts"}:
+        return "expert_out" if last in ("down_proj", "w2", "fc2") else "expert_in"
+    if last in ("embed_tokens", "wte", "tok_embeddings", "token_embd", "word_embeddings", "lm_head") or key == "output":
+        return "embed_head"
+    if last in ("q_proj", "k_proj", "v_proj", "qkv_proj", "qkv", "query_key_value", "wq", "wk", "wv", "c_attn"):
         return "attn_in"
-    if last in ("o_proj", "out_proj", "wo", "dense", "o") and ("attn" in low or "attention" in low or last == "o"):
+    if last in ("o_proj", "out_proj", "wo") or (last == "dense" and not parents & {"mlp", "ffn"}):
         return "attn_out"
-    if last in ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_fc", "f1"):
+    if last in ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_fc"):
         return "mlp_in"
-    if last in ("down_proj", "w2", "fc2", "c_proj", "f2"):
+    if last in ("down_proj", "w2", "fc2", "c_proj"):
         return "mlp_out"
-    return "other"
+    return "default"
 
 
 # --------------------------------------------------------------------------- EXL2 mapping

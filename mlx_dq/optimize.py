@@ -46,7 +46,7 @@ from .options import QuantOption
 PLAN_FORMAT = "mlx_dq.plan"
 PLAN_VERSION = 1
 DEFAULT_HEAD_OPTION = "1.0:6b_64g"
-HEAD_ROLES = ("embed", "head")
+HEAD_ROLES = ("embed_head", "embed", "head")
 KEEP_RULE = "the N most sensitive tensors of each part stay 16-bit"
 
 
@@ -185,10 +185,6 @@ def _head_scope(m: Measurement, t: TensorRecord) -> bool:
     return t.role in HEAD_ROLES or t.key in m.tied or t.key in m.tied.values()
 
 
-def _record_of(t: TensorRecord, option: QuantOption) -> OptionRecord | None:
-    return t.find(option)
-
-
 def _build(
     m: Measurement,
     target_bpw: float,
@@ -224,7 +220,7 @@ def _build(
             opt = QuantOption.fp16() if _match(t.key, keep) else head_opt
             if not opt.fits(t.shape[-1]):
                 raise ValueError(f"head option {opt.desc} does not fit {t.key!r} with {t.shape[-1]} inputs")
-            rec = _record_of(t, opt)
+            rec = t.find(opt)
             scope = "kept" if opt.keep16 else "head"
             if opt.keep16:
                 kept.add(t.key)

@@ -196,7 +196,7 @@ def test_keep_most_sensitive_reproduces_seed003_semantics(use_seed: bool) -> Non
 
 def test_explicit_keep_patterns_and_head_scope() -> None:
     m = _random(np.random.default_rng(7), 8, 5)
-    emb = TensorRecord("model.embed_tokens", (1024, 64), role="embed")
+    emb = TensorRecord("model.embed_tokens", (1024, 64), role="embed_head")
     emb.options.append(_record(QuantOption.uniform(6, 64), QuantOption.uniform(6, 64).storage_bits((1024, 64)),
                                emb.numel, 0.01))
     m.tensors[emb.key] = emb
