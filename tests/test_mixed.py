@@ -205,3 +205,48 @@ def test_bad_inputs_raise_clear_errors():
         MixedSwitchLinear.from_quantized(_quantized((8, 64), "1.0:4b_32g"))
     with pytest.raises(ValueError, match="16-bit"):
         MixedLinear(64, 8, "16bit")
+
+
+def _swap_in_mixed_layers(model: nn.Module, desc: str) -> list[tuple[str, nn.Module]]:
+    """Replace every Linear, Embedding and SwitchLinear of ``model`` by its mixed layer."""
+    from mlx.utils import tree_unflatten
+
+    swaps = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding, SwitchLinear)):
+            qt = quantize_weight(mod.weight, QuantOption.parse(desc), clip=False)
+            swaps.append((name, mixed_layer_from_quantized(mod, qt)))
+    model.update_modules(tree_unflatten(swaps))
+    return swaps
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_mlx_lm_model_with_mixed_layers_matches_dequantized_model(arch):
+    """mlx-lm models (tied head through ``embed_tokens.as_linear``, MoE through SwitchGLU) run mixed layers."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import llama, qwen3_moe
+
+    common = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96, tie_word_embeddings=True)
+    if arch == "llama":
+        mod, args = llama, llama.ModelArgs(model_type="llama", **common)
+    else:
+        mod, args = qwen3_moe, qwen3_moe.ModelArgs(
+            model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+            moe_intermediate_size=128, head_dim=32, rope_theta=10000.0, max_position_embeddings=256,
+            norm_topk_prob=True, **common)
+    mx.random.seed(0)
+    model = mod.Model(args)
+    weights = dict(tree_flatten(model.parameters()))
+    swaps = _swap_in_mixed_layers(model, "0.25:5b_32g/0.75:3b_32g")
+    kinds = {type(m) for _, m in swaps}
+    assert MixedEmbedding in kinds and MixedLinear in kinds
+    assert (MixedSwitchLinear in kinds) == (arch == "qwen3_moe")
+
+    ref = mod.Model(args)
+    ref.load_weights(list(weights.items()))
+    ref.update(tree_unflatten([(f"{name}.weight", m.dequantize()) for name, m in swaps]))
+    tokens = mx.array([[3, 17, 42, 95, 0, 8]])
+    got, want = model(tokens), ref(tokens)
+    assert got.shape == (1, 6, 96)
+    assert _rel(got, want) < 1e-4
