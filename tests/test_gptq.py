@@ -178,3 +178,33 @@ def test_keep16_and_bad_input(layer):
         gptq_quantize(w, opt, gram, damp=-1.0)
     with pytest.raises(ValueError, match="block_size"):
         gptq_quantize(w, opt, gram, block_size=0)
+
+
+@pytest.fixture(scope="module")
+def real_layer_inputs(bundled_gguf):
+    """Weights and input Grams of two linear layers of the bundled SmolLM2, from a real forward pass."""
+    from mlx_dq import calib
+    from mlx_dq.capture import GramCollector
+    from mlx_dq.sources import load_model
+
+    model, tokenizer, _ = load_model(str(bundled_gguf))
+    rows = calib.sample_rows(tokenizer, calib.default_calibration_texts(), 4, 128)
+    layer = model.model.layers[5]
+    mods = {"self_attn.q_proj": layer.self_attn.q_proj, "mlp.down_proj": layer.mlp.down_proj}
+    with GramCollector(mods) as col:
+        mx.eval(model(rows))
+        col.flush()
+    return {name: (m.weight, col.stats[name].gram) for name, m in mods.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("desc", ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "0.25:4b_32g/0.75:3b_64g"])
+def test_real_layers_compensation_beats_rounding(real_layer_inputs, desc):
+    from mlx_dq.quant import output_error
+
+    opt = QuantOption.parse(desc)
+    for name, (w, gram) in real_layer_inputs.items():
+        rtn = output_error(w, quantize_weight(w, opt, gram, clip=False).dequantize(), gram)
+        rtn_clip = output_error(w, quantize_weight(w, opt, gram, clip=True).dequantize(), gram)
+        comp = output_error(w, gptq_quantize(w, opt, gram).dequantize(), gram)
+        assert comp < 0.8 * rtn_clip < 0.8 * rtn, (name, desc, rtn, rtn_clip, comp)
