@@ -42,7 +42,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -297,7 +297,7 @@ def _exl2_desc(qp: Mapping) -> str:
     return "/".join(parts) + f" s{int(qp.get('scale_bits', 4))}"
 
 
-def _dedupe(records: list, mlx_bits: callable, exl2_bits: callable, err: callable, key: callable) -> list:
+def _dedupe(records: list, mlx_bits: Callable, exl2_bits: Callable, err: Callable, key: Callable) -> list:
     """Keep one record per mapped MLX option: nearest EXL2 storage, then larger error."""
     best: dict = {}
     order: list = []

@@ -40,7 +40,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .measurement import JointGroup, Measurement, OptionRecord, TensorRecord, write_json_atomic
+from .measurement import Measurement, OptionRecord, TensorRecord, write_json_atomic
 from .options import QuantOption
 
 PLAN_FORMAT = "mlx_dq.plan"
@@ -166,7 +166,10 @@ def _match(key: str, patterns: Sequence[str]) -> bool:
 
 
 def default_part(key: str) -> str:
-    """The part a tensor belongs to for the keep-most-sensitive rule: ``backbone`` for decoder layers, else its first path component."""
+    """The part of a tensor for the keep-most-sensitive rule.
+
+    ``backbone`` for decoder layers (``...layers.N.``), else its first path component.
+    """
     if re.search(r"(^|\.)(layers|h|blocks|block)\.\d+\.", key):
         return "backbone"
     return key.split(".", 1)[0]
@@ -274,7 +277,8 @@ def _build(
     budget = int(math.floor(target_bpw * numel_budget + 1e-6))  # tolerate float rounding of target x weights
     settings = {
         "head_option": None if head_opt is None else head_opt.desc, "keep": list(keep),
-        "keep_most_sensitive": keep_most_sensitive, "parts": None if parts is None else {k: list(v) for k, v in parts.items()},
+        "keep_most_sensitive": keep_most_sensitive,
+        "parts": None if parts is None else {k: list(v) for k, v in parts.items()},
         "mlx_lm_compatible": mlx_lm_compatible, "err_power": err_power,
     }
     return _Problem(items, fixed, sorted(kept), numel_budget, budget, float(target_bpw), settings)
@@ -468,7 +472,10 @@ def _exchange(p: _Problem, pruned: list[np.ndarray], pos: list[int], used: int, 
 
 
 def _pareto_dp(p: _Problem, pruned: list[np.ndarray], max_states: int) -> tuple[list[int], float] | None:
-    """Exact optimum by dynamic programming over the Pareto frontier of (bits, damage), or None when it grows too large."""
+    """Exact optimum by dynamic programming over the Pareto frontier of (bits, damage).
+
+    Returns None when the frontier grows past ``max_states`` (large models).
+    """
     states_b = np.zeros(1, dtype=np.int64)
     states_d = np.zeros(1)
     trail: list[tuple[np.ndarray, np.ndarray]] = []
@@ -585,7 +592,11 @@ def optimize(
 
 # --------------------------------------------------------------------------- baselines
 def greedy_single_pass(measurement: Measurement, target_bpw: float, **kw: Any) -> Plan:
-    """Baseline: start from the cheapest options, upgrade by best damage decrease per bit until nothing fits; no backtracking."""
+    """Baseline: a single greedy pass with no backtracking.
+
+    Start from the cheapest options and upgrade by best damage decrease per bit
+    until no upgrade fits.
+    """
     t0 = time.perf_counter()
     err_power = kw.pop("err_power", 2.0)
     p = _build(measurement, target_bpw, kw.pop("head_option", DEFAULT_HEAD_OPTION), kw.pop("keep", ()),

@@ -57,7 +57,8 @@ def _brute(m: Measurement, budget: int) -> float | None:
 
 def _range(m: Measurement) -> tuple[int, int, int]:
     ts = list(m.tensors.values())
-    return (sum(min(o.total_bits for o in t.options) for t in ts), sum(max(o.total_bits for o in t.options) for t in ts),
+    return (sum(min(o.total_bits for o in t.options) for t in ts),
+            sum(max(o.total_bits for o in t.options) for t in ts),
             sum(t.numel for t in ts))
 
 
@@ -133,7 +134,10 @@ def test_mlx_lm_compatible_without_whole_options_fails_clearly() -> None:
 
 
 def _seed003_like(seed_cfg: dict | None) -> tuple[Measurement, set[str], dict]:
-    """A non-LLM measurement with parts named like seed 003: layers.* (backbone), groups.N.M.x / heads.* / in_proj (depth), table."""
+    """A non-LLM measurement with parts named like seed 003.
+
+    layers.* (backbone), groups.N.M.x / heads.* / in_proj (depth), table (neither).
+    """
     if seed_cfg is not None:
         names = {k[: -len(".weight")]: tuple(v["shape"]) for k, v in seed_cfg["tensors"].items()}
         names.update({k[: -len(".weight")]: (64, 64) for k in seed_cfg["kept_16bit"]})
