@@ -250,3 +250,58 @@ def test_mlx_lm_model_with_mixed_layers_matches_dequantized_model(arch):
     got, want = model(tokens), ref(tokens)
     assert got.shape == (1, 6, 96)
     assert _rel(got, want) < 1e-4
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(not kernels.metal_active(), reason="needs Apple silicon with Metal")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])
+@pytest.mark.parametrize("desc", ["0.1:4b_32g/0.9:3b_32g", "0.25:6b_64g/0.75:5b_32g", "1.0:4b_64g"])
+def test_metal_layers_match_dequantized_matmul(rows, desc):
+    """On Metal: fused decode (<= 8 rows), per-segment quantized matmuls (more rows), banks, embedding."""
+    qt = _quantized((96, 1024), desc, seed=rows)
+    layer = MixedLinear.from_quantized(qt)
+    x = mx.random.normal((rows, 1024), key=mx.random.key(1)).astype(mx.float16)
+    ref = x.astype(mx.float32) @ layer.dequantize().T
+    assert _rel(layer(x).astype(mx.float32), ref) < 2e-3
+    emb = MixedEmbedding.from_quantized(qt)
+    assert _rel(emb.as_linear(x).astype(mx.float32), ref) < 2e-3
+    ids = mx.array([0, 5, 95])
+    assert _rel(emb(ids).astype(mx.float32), layer.dequantize()[ids]) < 1e-3
+    bank = MixedSwitchLinear.from_quantized(_quantized((3, 96, 1024), desc, seed=rows))
+    idx = mx.array([[0, 2]] * rows)
+    xb = mx.expand_dims(x, (-2, -3))
+    want = mx.gather_mm(xb.astype(mx.float32), bank.dequantize().swapaxes(-1, -2), rhs_indices=idx)
+    assert _rel(bank(xb, idx).astype(mx.float32), want) < 2e-3
+
+
+def test_metal_branch_dispatch_and_segment_matmuls_on_cpu(monkeypatch):
+    """The Metal branch of the layers, run on CPU: per-segment quantized matmuls / gather_qmm are real
+    (MLX's CPU kernels, small shapes), the fused kernel launch is replaced by a recorder."""
+    calls = []
+
+    def fake_fused(x, perm, parts, bits, group_sizes, verbose=False):
+        calls.append(x.size // x.shape[-1])
+        return kernels.segmented_quantized_matmul(x, perm, parts, bits, group_sizes)
+
+    monkeypatch.setattr(kernels, "metal_active", lambda: True)
+    monkeypatch.setattr(kernels, "fused_mixed_matmul", fake_fused)
+    mixed = _quantized((40, 256), "0.25:6b_32g/0.5:4b_64g/0.25:2b_32g", seed=41)
+    layer = MixedLinear.from_quantized(mixed)
+    w64 = _np_weight(mixed)
+    for shape in [(1, 256), (2, 4, 256), (9, 256), (3, 7, 256)]:
+        x = mx.random.normal(shape, key=mx.random.key(shape[0]))
+        assert _rel(layer(x), np.array(x, dtype=np.float64) @ w64.T) < 1e-5
+    assert calls == [1, 8]  # fused only for <= 8 rows of a mixed weight
+    uni = MixedLinear.from_quantized(_quantized((40, 256), "1.0:5b_64g", seed=42))
+    mx.eval(uni(mx.ones((1, 256))))
+    assert calls == [1, 8]  # uniform weights go to MLX's own quantized matmul
+    emb = MixedEmbedding.from_quantized(mixed)
+    ids = mx.array([1, 39])
+    assert emb(ids).dtype == mx.float16
+    np.testing.assert_allclose(np.array(emb(ids).astype(mx.float32)), w64[[1, 39]], rtol=2e-3, atol=2e-3)
+    bank_qt = _quantized((3, 40, 256), "0.5:5b_32g/0.5:3b_32g", seed=43)
+    bank = MixedSwitchLinear.from_quantized(bank_qt)
+    x = mx.random.normal((4, 1, 1, 256), key=mx.random.key(44))
+    idx = mx.array([[0, 2], [1, 1], [2, 0], [0, 0]])
+    want = np.einsum("bk,bjok->bjo", np.array(x[:, 0, 0], dtype=np.float64), _np_weight(bank_qt)[np.array(idx)])
+    assert _rel(bank(x, idx)[:, :, 0], want) < 1e-5
