@@ -17,25 +17,37 @@ affine-quantized block with its own bits and group size. Paths, chosen by
   weight (out*in*4 bytes per layer, e.g. 64 MiB for 4096x4096), on top of the
   packed codes; ``clear_cache()`` on a layer drops it.
 
-What is and is not verified on a machine without Apple silicon (tests/test_kernels.py):
+What is and is not verified on a machine without Apple silicon:
 
-* Verified: the exact text of ``KERNEL_SOURCE`` is compiled by g++ inside a small
-  C++ harness that emulates the Metal builtins it uses (``thread_position_in_grid``,
-  ``thread_index_in_simdgroup``, ``metal::simd_sum`` as a 32-thread barrier
-  reduction, ``half`` as ``_Float16``) and run over random inputs for every bits in
-  {2,3,4,5,6,8} x group size in {32,64,128} and random mixed options (segment
-  boundaries off multiples of 512, odd N, 1..8 rows of x), against a numpy
-  float64 dequantize-then-matmul reference: bit extraction across uint32 word
-  boundaries, per-segment scales/biases, permuted reads of x, the per-lane
-  accumulation and the final 32-lane reduction.
-* Verified: the Metal source MLX generates for our call (captured with
-  ``mx.export_function`` + ``verbose=True``, no GPU needed) contains
-  ``KERNEL_SOURCE`` verbatim with the expected template arguments and buffer types.
-* NOT verified here: that the Metal compiler accepts the source, Metal-specific
-  semantics (address spaces, the hardware ``simd_sum`` reduction order, half/
-  bfloat conversions on the GPU), the launch geometry on a real GPU, and any
-  speed. ``tests/test_kernels.py::test_metal_kernel_matches_portable`` checks the
-  real kernel against the portable path and runs only where Metal is available.
+* Verified (tests/test_kernels.py): the kernel MLX generates for our call, i.e.
+  its own signature and template line wrapped around ``KERNEL_SOURCE`` verbatim,
+  captured with ``mx.export_function`` + ``verbose=True`` (no GPU needed), is
+  compiled by g++ (C++20) with the same template arguments MLX would instantiate.
+  The harness only supplies what C++ lacks: ``device``/``constant`` defined empty,
+  ``[[...]]`` attributes ignored, ``float16_t`` = ``_Float16``, ``bfloat16_t`` a
+  round-to-nearest-even struct, ``uint3``, and ``metal::simd_sum`` as a barrier
+  reduction over 32 real threads (one per lane, grid (32, N): one simdgroup per
+  output row). It runs on random inputs for every bits in {2,3,4,5,6,8} x group
+  in {32,64,128} and random mixed options (2-6 segments, boundaries off multiples
+  of 512, odd N, 1..8 rows of x, fp32/fp16/bf16 x, fp16/bf16 scales, uint16 and
+  uint32 permutations, segments with more than 32 chunks so lanes loop) against a
+  numpy float64 dequantize-then-matmul reference, within 2e-6 (fp32 output) /
+  1e-3 (fp16) / 4e-3 (bf16) of the largest output. This covers the code
+  extraction across uint32 word boundaries, per-segment scales/biases, reads of x
+  through the permutation, per-lane accumulation and the 32-lane reduction. A
+  flipped code bit is detected (the comparison is not vacuous).
+* Verified: the generated source contains ``KERNEL_SOURCE`` with the expected
+  template arguments and buffer types; the Python side of the Metal branch
+  (which path for how many rows, per-segment ``quantized_matmul``/``gather_qmm``
+  with the permutation) runs against numpy on MLX's CPU implementations of those ops.
+* NOT verified here: that Apple's Metal compiler accepts the source; Metal-specific
+  semantics (address spaces, which the harness erases; the hardware ``simd_sum``
+  reduction order, emulated here as a lane-order sum; half/bfloat conversions on the
+  GPU); partial threadgroups at the grid edge; the Metal quantized matmuls
+  themselves; kernel compile time (one build per layer shape and option) and any
+  speed. ``test_metal_kernel_matches_portable`` (tests/test_kernels.py) and
+  ``test_metal_layers_match_dequantized_matmul`` (tests/test_mixed.py) run the real
+  kernel and layers on Apple silicon and are skipped elsewhere.
 """
 
 from __future__ import annotations
