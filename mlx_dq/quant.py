@@ -15,7 +15,9 @@ Building blocks, reusable by error-compensating quantizers:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Sequence
 
 import mlx.core as mx
@@ -90,15 +92,14 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     if q.size and int(q.max()) >= (1 << bits):
         raise ValueError(f"codes do not fit in {bits} bits (max {int(q.max())})")
     lead = q.shape[:-1]
-    blocks = q.reshape(-1, k // 32, 32).astype(np.uint64)  # 32 codes fill exactly `bits` words
-    words = np.zeros(blocks.shape[:-1] + (bits,), dtype=np.uint64)
-    for j in range(32):
-        word, off = divmod(j * bits, 32)
-        v = blocks[..., j] << np.uint64(off)
-        words[..., word] |= v & np.uint64(0xFFFFFFFF)
-        if off + bits > 32:
-            words[..., word + 1] |= v >> np.uint64(32)
-    return words.astype(np.uint32).reshape(*lead, k * bits // 32)
+    per_chunk = 8 // math.gcd(bits, 8)  # fewest codes filling whole bytes
+    chunks = q.reshape(-1, k // per_chunk, per_chunk).astype(np.uint64)
+    value = np.zeros(chunks.shape[:-1], dtype=np.uint64)
+    for j in range(per_chunk):
+        value |= chunks[..., j] << np.uint64(j * bits)
+    nbytes = per_chunk * bits // 8
+    stream = value.astype("<u8").view(np.uint8).reshape(value.shape + (8,))[..., :nbytes]
+    return np.ascontiguousarray(stream).reshape(-1, k * bits // 8).view("<u4").astype(np.uint32).reshape(*lead, k * bits // 32)
 
 
 def unpack_codes(packed: np.ndarray | mx.array, bits: int, k: int) -> np.ndarray:
@@ -185,10 +186,50 @@ def affine_codes(w: mx.array, scales: mx.array, biases: mx.array, bits: int) -> 
     return mx.where(s == 0, 0.0, q)
 
 
-def _dequant_groups(scales: mx.array, biases: mx.array, codes: mx.array) -> mx.array:
-    """Dequantize grouped codes in the stored dtype (as MLX does), returned as float32."""
-    dt = scales.dtype
-    return (scales[..., None] * codes.astype(dt) + biases[..., None]).astype(mx.float32)
+def _group_error(e: mx.array, weight: mx.array | None, metric: str) -> mx.array:
+    """Per-group error of residuals ``e`` [B, R, G, g]: squared, diag- or block-weighted."""
+    if weight is None:
+        return (e * e).sum(-1)
+    if metric == "diag":  # weight: [Bg, 1, G, g]
+        return (e * e * weight).sum(-1)
+    et = e.transpose(0, 2, 1, 3)  # [B, G, R, g]; weight: [Bg, G, g, g]
+    return ((et @ weight) * et).sum(-1).transpose(0, 2, 1)
+
+
+def _candidate_error(
+    w: mx.array,
+    target: mx.array,
+    scale: mx.array,
+    bias: mx.array,
+    code_scale: mx.array,
+    weight: mx.array | None,
+    n_bins: float,
+    dtype: mx.Dtype,
+    metric: str,
+) -> mx.array:
+    """Per-group error of storing (``scale``, ``bias``) with codes rounded against ``code_scale``.
+
+    Dequantizes as MLX does in ``dtype`` (``round(round(scale*q) + bias)``).
+    """
+    s, b = scale[..., None], bias[..., None]
+    q = mx.clip(mx.round((w - b) / code_scale[..., None]), 0.0, n_bins)
+    deq = ((s * q).astype(dtype).astype(mx.float32) + b).astype(dtype).astype(mx.float32)
+    return _group_error(deq - target, weight, metric)
+
+
+_compiled: dict = {}
+
+
+def _error_fn(n_bins: float, dtype: mx.Dtype, metric: str, weighted: bool):
+    """A compiled (fused) :func:`_candidate_error` for one bit width, dtype and metric."""
+    key = (n_bins, dtype, metric, weighted)
+    if key not in _compiled:
+        fn = partial(_candidate_error, n_bins=n_bins, dtype=dtype, metric=metric)
+        if weighted:
+            _compiled[key] = mx.compile(lambda w, t, s, b, cs, wt: fn(w, t, s, b, cs, wt))
+        else:
+            _compiled[key] = mx.compile(lambda w, t, s, b, cs: fn(w, t, s, b, cs, None))
+    return _compiled[key]
 
 
 @dataclass
@@ -198,20 +239,10 @@ class ClipResult:
     scales: mx.array  # [B, R, groups], stored dtype
     biases: mx.array
     codes: mx.array  # [B, R, groups, g], float32 integers
-    factor: mx.array  # [B, R, groups] chosen shrink factor (0 marks MLX's own rounding)
+    factor: mx.array  # [B, R, groups] chosen shrink factor (0 marks plain MLX rounding)
     err: mx.array  # [B, R, groups] optimised error of the chosen candidate
     base_err: mx.array  # same error for plain mx.quantize
     clipped: int  # weights outside the chosen range
-
-
-def _group_error(e: mx.array, weight: mx.array | None, metric: str) -> mx.array:
-    """Per-group error of residuals ``e`` [B, R, G, g]: squared, diag- or block-weighted."""
-    if weight is None:
-        return (e * e).sum(-1)
-    if metric == "diag":  # weight: [Bg, 1, G, g]
-        return (e * e * weight).sum(-1)
-    et = e.transpose(0, 2, 1, 3)  # [B, G, R, g]; weight: [Bg, G, g, g]
-    return ((et @ weight) * et).sum(-1).transpose(0, 2, 1)
 
 
 def gram_weights(gram: mx.array, group_size: int, metric: str) -> mx.array:
@@ -250,33 +281,33 @@ def clip_search(
     stored scales, so the stored triple dequantizes to what was scored.
     """
     target = w if target is None else target
+    n_bins = float((1 << bits) - 1)
+    err_fn = _error_fn(n_bins, dtype, metric, weight is not None)
+    extra = () if weight is None else (weight,)
     wmin, wmax = w.min(-1), w.max(-1)
     scale, bias = affine_params(wmin, wmax, bits)
-    n_bins = float((1 << bits) - 1)
-    base_codes = mx.clip(mx.round((w - bias[..., None]) / scale[..., None]), 0, n_bins)
     best_s, best_b = scale.astype(dtype), bias.astype(dtype)
-    best_q = base_codes
-    base_err = _group_error(_dequant_groups(best_s, best_b, best_q) - target, weight, metric)
-    best_err = base_err
-    best_f = mx.zeros_like(base_err)
+    best_cs = scale  # MLX rounds against its float32 scale
+    base_err = err_fn(w, target, best_s.astype(mx.float32), best_b.astype(mx.float32), best_cs, *extra)
+    best_err, best_f = base_err, mx.zeros_like(base_err)
     best_lo, best_hi = wmin, wmax
-    mx.eval(best_s, best_b, best_q, base_err)
+    mx.eval(base_err, best_s, best_b)
     for f in factors:
         lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
         hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
         s, b = affine_params(lo, hi, bits)
         s, b = s.astype(dtype), b.astype(dtype)
-        q = affine_codes(w, s, b, bits)
-        err = _group_error(_dequant_groups(s, b, q) - target, weight, metric)
+        sf = s.astype(mx.float32)
+        err = err_fn(w, target, sf, b.astype(mx.float32), sf, *extra)
         better = err < best_err
         best_s, best_b = mx.where(better, s, best_s), mx.where(better, b, best_b)
-        best_q = mx.where(better[..., None], q, best_q)
-        best_err = mx.where(better, err, best_err)
-        best_f = mx.where(better, f, best_f)
+        best_cs = mx.where(better, sf, best_cs)
+        best_err, best_f = mx.where(better, err, best_err), mx.where(better, f, best_f)
         best_lo, best_hi = mx.where(better, lo, best_lo), mx.where(better, hi, best_hi)
-        mx.eval(best_s, best_b, best_q, best_err, best_f, best_lo, best_hi)
+        mx.eval(best_s, best_b, best_cs, best_err, best_f, best_lo, best_hi)
+    codes = mx.clip(mx.round((w - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
     outside = (w < best_lo[..., None]) | (w > best_hi[..., None])
-    return ClipResult(best_s, best_b, best_q, best_f, best_err, base_err, int(outside.sum().item()))
+    return ClipResult(best_s, best_b, codes, best_f, best_err, base_err, int(outside.sum().item()))
 
 
 # --------------------------------------------------------------------------

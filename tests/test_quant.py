@@ -12,6 +12,8 @@ from mlx_dq.options import VALID_BITS, VALID_GROUPS, QuantOption, Segment
 from mlx_dq.quant import (
     QuantizedTensor,
     act_order,
+    affine_codes,
+    clip_search,
     dequantize_ref,
     output_error,
     pack_codes,
@@ -303,3 +305,23 @@ def test_weight_error_is_relative_frobenius() -> None:
     w = mx.array(np.array([[3.0, 4.0]], dtype=np.float32))
     assert weight_error(w, w) == 0.0
     assert abs(weight_error(w, mx.array(np.array([[3.0, 4.5]], dtype=np.float32))) - 0.1) < 1e-7
+
+
+@pytest.mark.parametrize("bits", VALID_BITS)
+def test_clip_search_without_factors_is_mx_quantize(bits: int) -> None:
+    w = heavy_tailed((32, 256), seed=bits).astype(mx.float16)
+    res = clip_search(w.astype(mx.float32).reshape(1, 32, 4, 64), bits, factors=())
+    packed, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+    assert np.array_equal(np.array(res.codes).reshape(32, 256), unpack_codes(packed, bits, 256))
+    assert np.array_equal(np.array(res.scales)[0], np.array(scales))
+    assert np.array_equal(np.array(res.biases)[0], np.array(biases))
+    assert float(res.factor.max()) == 0.0 and res.clipped == 0
+
+
+def test_affine_codes_round_against_given_scales() -> None:
+    w = heavy_tailed((4, 64), seed=3).reshape(4, 2, 32)
+    scales = mx.full((4, 2), 0.01, dtype=mx.float16)
+    biases = mx.full((4, 2), -0.05, dtype=mx.float16)
+    q = np.array(affine_codes(w, scales, biases, 4))
+    expect = np.clip(np.rint((np.array(w) + 0.05) / np.float32(np.float16(0.01))), 0, 15)
+    assert np.array_equal(q, expect)

@@ -1,0 +1,59 @@
+"""Time quantize_weight on one 1536x576 and one 4096x4096 weight, with and without clip search.
+
+Run: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+     python benchmarks/quantize_speed.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dq.options import QuantOption
+from mlx_dq.quant import quantize_weight
+
+
+def _weights(out_f: int, in_f: int, seed: int = 0) -> tuple[mx.array, mx.array]:
+    """Heavy-tailed weights and a Gram matrix of correlated inputs with uneven channel energy."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_t(4, size=(out_f, in_f)) * 0.02).astype(np.float32)
+    x = (rng.standard_normal((2048, in_f)) * rng.lognormal(0, 1, in_f)).astype(np.float32)
+    return mx.array(w), mx.array(x.T @ x)
+
+
+def _time(fn, repeats: int) -> float:
+    """Best wall time of ``fn`` over ``repeats`` runs (evaluating every returned array)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        qt = fn()
+        mx.eval([a for part in qt.parts for a in part])
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    """Print one line per (shape, option, mode) with the best time in seconds."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    options = [QuantOption.parse(d) for d in ("1.0:4b_64g", "1.0:2b_64g", "0.1:4b_64g/0.9:3b_64g")]
+    print(f"{'shape':>11} {'option':<24} {'no clip':>8} {'clip':>8} {'clip+gram':>10} {'diag':>8}  (seconds, best of {args.repeats})")
+    for out_f, in_f in ((1536, 576), (4096, 4096)):
+        w, gram = _weights(out_f, in_f)
+        mx.eval(w, gram)
+        for opt in options:
+            cols = [
+                _time(lambda: quantize_weight(w, opt, gram=gram, clip=False), args.repeats),
+                _time(lambda: quantize_weight(w, opt, clip=True), args.repeats),
+                _time(lambda: quantize_weight(w, opt, gram=gram, clip=True), args.repeats),
+                _time(lambda: quantize_weight(w, opt, gram=gram, clip=True, clip_metric="diag"), args.repeats),
+            ]
+            print(f"{out_f:>5}x{in_f:<5} {opt.desc:<24} " + " ".join(f"{c:8.3f}" for c in cols[:2]) + f" {cols[2]:10.3f} {cols[3]:8.3f}")
+
+
+if __name__ == "__main__":
+    main()
