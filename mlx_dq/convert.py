@@ -1,0 +1,584 @@
+"""The converter: measure (or reuse) -> optimize -> quantize -> write an MLX model folder.
+
+Quantization streams the source one decoder layer at a time, like the
+measurer: each layer's weights are loaded, the inputs of its linear layers are
+captured over calibration rows (Gram matrices ``X^T X``), every tensor is
+quantized with its planned option (GPTQ error compensation by default, or
+round-to-nearest with clip search), and the layer's output for the next layer
+is computed with the *quantized* weights (sequential quantization), so errors
+do not pile up unseen. Peak memory is about one layer plus activations.
+
+The output folder holds safetensors shards, ``config.json`` that mlx-lm reads
+(a ``quantization`` entry for every quantized module), tokenizer files, the
+manifest ``mlx_dq.json`` and, when the plan has mixed-proportion tensors, a
+``model_file`` that wraps mlx-lm's own model class (see :mod:`mlx_dq.loader`).
+It is written into a temporary sibling folder and renamed into place at the
+end, so an interrupted convert never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from .capture import GramCollector, iter_batches, quantizable_modules
+from .measurement import Measurement, load_measurement
+from .optimize import Plan, load_plan, optimize, save_plan
+from .options import QuantOption
+from .quant import QuantizedTensor, output_error, quantize_weight
+
+MANIFEST_NAME = "mlx_dq.json"
+MANIFEST_SCHEMA = "mlx_dq.manifest"
+MANIFEST_VERSION = 1
+MODEL_FILE = "mlx_dq_model.py"
+DEFAULT_SHARD_BYTES = 4 << 30
+DEFAULT_ROWS = 32
+DEFAULT_SEQ_LEN = 512
+METHODS = ("gptq", "rtn")
+
+MODEL_FILE_TEXT = '''"""mlx-lm model file for an mlx-dq output with mixed-proportion layers.
+
+mlx-lm loads it with ``trust_remote_code=True`` (CLIs: ``--trust-remote-code``).
+It wraps mlx-lm's own model class for this folder's ``model_type`` and swaps in
+mlx-dq's mixed layers listed under ``mlx_dq.mixed`` in config.json.
+"""
+
+import json
+from pathlib import Path
+
+try:
+    from mlx_dq.loader import mixed_model_classes
+except ImportError as e:  # pragma: no cover - depends on the user's environment
+    raise ImportError("this model has mixed-proportion layers: install mlx-dq (pip install mlx-dq)") from e
+
+_CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())
+Model, ModelArgs = mixed_model_classes(_CONFIG)
+'''
+
+
+# --------------------------------------------------------------------------
+# one tensor
+# --------------------------------------------------------------------------
+def quantize_tensor(
+    w: mx.array, option: QuantOption, gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
+    damp: float = 0.01,
+) -> QuantizedTensor:
+    """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if option.keep16:
+        return quantize_weight(w, option)
+    if method == "gptq" and gram is not None:
+        from .gptq import gptq_quantize
+
+        return gptq_quantize(w, option, gram, damp=damp, clip=clip)
+    return quantize_weight(w, option, gram=gram, clip=clip)
+
+
+def tensor_arrays(path: str, qt: QuantizedTensor, dtype: mx.Dtype) -> dict[str, mx.array]:
+    """The arrays stored for module ``path`` quantized as ``qt`` (names as the loading layer expects)."""
+    if qt.fp is not None:
+        return {f"{path}.weight": qt.fp.astype(dtype)}
+    if not qt.option.is_mixed:
+        w, s, b = qt.parts[0]
+        return {f"{path}.weight": w, f"{path}.scales": s.astype(dtype), f"{path}.biases": b.astype(dtype)}
+    out = {}
+    for i, (w, s, b) in enumerate(qt.parts):
+        out[f"{path}.weight_{i}"] = w
+        out[f"{path}.scales_{i}"] = s.astype(dtype)
+        out[f"{path}.biases_{i}"] = b.astype(dtype)
+    out[f"{path}.perm"] = mx.array(qt.perm)
+    return out
+
+
+def _module_kind(mod: nn.Module) -> str:
+    from .capture import is_expert_bank
+
+    if is_expert_bank(mod):
+        return "switch"
+    if isinstance(mod, nn.Embedding):
+        return "embedding"
+    return "linear"
+
+
+# --------------------------------------------------------------------------
+# output folder
+# --------------------------------------------------------------------------
+class ShardWriter:
+    """Writes arrays into numbered safetensors shards as they come, then names them like mlx-lm does."""
+
+    def __init__(self, folder: Path, max_bytes: int = DEFAULT_SHARD_BYTES):
+        self.folder = folder
+        self.max_bytes = max_bytes
+        self.pending: dict[str, mx.array] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.nbytes = 0
+
+    def add(self, arrays: dict[str, mx.array]) -> None:
+        """Queue ``arrays``; a shard is written when it would grow past ``max_bytes``."""
+        size = sum(a.nbytes for a in arrays.values())
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending.update(arrays)
+        self.pending_bytes += size
+        self.nbytes += size
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.folder / f"shard-{len(self.files):05d}.safetensors"
+        mx.save_safetensors(str(path), self.pending, metadata={"format": "mlx"})
+        self.files.append((path, sorted(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write the last shard, rename shards (``model.safetensors`` or ``model-0000i-of-0000n``), write the index."""
+        self._flush()
+        n = len(self.files)
+        out, weight_map = [], {}
+        for i, (path, keys) in enumerate(self.files):
+            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(self.folder / name)
+            out.append(self.folder / name)
+            weight_map.update({k: name for k in keys})
+        if n > 1:
+            index = {"metadata": {"total_size": self.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return out
+
+
+def _prepare_output(out: Path, force: bool) -> Path:
+    """Check ``out`` may be written and return a fresh temporary sibling folder to build it in."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise FileExistsError(f"{out} already exists and is not empty; pass force=True (--force) to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished folder into place (replacing an old one only now, when the new one is complete)."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+# --------------------------------------------------------------------------
+# plan resolution
+# --------------------------------------------------------------------------
+def resolve_plan(
+    source: Any,
+    *,
+    bpw: float | None,
+    plan: Plan | str | Path | None,
+    measurement: Measurement | str | Path | None,
+    measurement_path: Path | None,
+    mlx_lm_compatible: bool,
+    head_option: str | None,
+    keep: Iterable[str],
+    measure_kwargs: dict,
+    progress: bool,
+) -> tuple[Plan, Measurement | None]:
+    """The plan to apply: given as is, or optimized from a given or freshly measured measurement."""
+    if plan is not None:
+        return (load_plan(plan) if isinstance(plan, (str, Path)) else plan), None
+    if bpw is None:
+        raise ValueError("give a bits-per-weight target (bpw) or a plan")
+    if measurement is None:
+        from .measure import measure
+
+        m = measure(source, out_path=measurement_path, progress=progress, **measure_kwargs)
+    else:
+        m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
+    p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible)
+    return p, m
+
+
+# --------------------------------------------------------------------------
+# the streaming quantizer
+# --------------------------------------------------------------------------
+def quantize_stream(
+    source: Any,
+    options: dict[str, QuantOption],
+    tokens: mx.array,
+    *,
+    method: str = "gptq",
+    sequential: bool = True,
+    clip: bool = True,
+    damp: float = 0.01,
+    batch_size: int = 4,
+    progress: bool = True,
+    _fail_after_layer: int | None = None,
+) -> Iterator[tuple | dict]:
+    """Quantize ``source`` one decoder layer at a time over calibration ``tokens``.
+
+    Yields ``(path, module, QuantizedTensor, gram, fp32 weight)`` for every
+    linear layer, expert bank and embedding (16-bit when ``options`` has no entry
+    for it), and dicts of the remaining parameters (norms, biases) by full name.
+    With ``sequential`` each layer's output is recomputed with its quantized
+    weights before it feeds the next layer.
+    """
+    from .measure import _free, _layer_prefix, _load_into, head_logits, probe_layers
+    from .sources import build_model
+
+    net = build_model(source.config)
+    layers = net.layers
+    prefix = _layer_prefix(net, layers)
+    all_mods = quantizable_modules(net)
+    unknown = sorted(set(options) - set(all_mods))
+    if unknown:
+        raise ValueError(
+            f"the plan names tensors this {source.config.get('model_type')} model does not have: {unknown[:3]}"
+            + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else "")
+        )
+
+    def run(mods: dict[str, nn.Module], stats: dict) -> Iterator[tuple]:
+        for path, mod in mods.items():
+            st = stats.get(path)
+            gram = st.gram if st is not None else None
+            w = mod.weight
+            qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=method, clip=clip, damp=damp)
+            yield path, mod, qt, gram, w
+
+    _load_into(net, dict(source.other_weights()))
+    batches = list(iter_batches(int(tokens.shape[0]), batch_size))
+    calls, firsts = [], []
+    for sl in batches:
+        h0, call = probe_layers(net, tokens[sl])
+        mx.eval(h0)
+        calls.append(call)
+        firsts.append(h0)
+    hidden = mx.concatenate(firsts, axis=0)
+    del firsts
+
+    def forward(layer: nn.Module, i: int, col: GramCollector | None) -> mx.array:
+        ys = []
+        for b, sl in enumerate(batches):
+            args, kwargs = calls[b][i]
+            y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
+            mx.eval(y)
+            if col is not None:
+                col.flush()
+            ys.append(y)
+        return mx.concatenate(ys, axis=0)
+
+    bar = tqdm(total=len(layers) + 1, desc="quantize", unit="layer", disable=not progress)
+    for i, layer in enumerate(layers):
+        _load_into(net, dict(source.layer_weights(i)))
+        lp = f"{prefix}{i}."
+        mods = quantizable_modules(layer, prefix=lp)
+        with GramCollector(mods) as col:
+            out = forward(layer, i, col)
+        fake = {}
+        for item in run(mods, col.stats):
+            fake[item[0]] = item[2].dequantize(mx.float32)
+            yield item
+        weights = {f"{p}.weight" for p in mods}
+        yield {lp + k: v for k, v in tree_flatten(layer.parameters()) if lp + k not in weights}
+        if sequential:
+            for path, wq in fake.items():
+                mods[path].weight = wq
+            out = forward(layer, i, None)
+        hidden = out
+        del fake, col
+        _free(layer)
+        bar.update(1)
+        if _fail_after_layer is not None and i == _fail_after_layer:
+            raise RuntimeError(f"simulated interruption after layer {i}")
+
+    head_mods = {p: m for p, m in all_mods.items() if not p.startswith(prefix)}
+    with GramCollector(head_mods) as col:
+        for sl in batches:
+            mx.eval(head_logits(net, tokens[sl], hidden[sl]))
+            col.flush()
+    yield from run(head_mods, col.stats)
+    done = {f"{p}.weight" for p in head_mods}
+    yield {k: v for k, v in tree_flatten(net.parameters()) if not k.startswith(prefix) and k not in done}
+    bar.update(1)
+    bar.close()
+
+
+def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array]) -> dict:
+    """The manifest record of one quantized tensor."""
+    opt = qt.option
+    g2 = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
+    err = output_error(w, qt.dequantize(mx.float32), g2) if g2 is not None and not opt.keep16 else None
+    return {
+        "option": opt.desc,
+        "shape": list(qt.shape),
+        "numel": int(math.prod(qt.shape)),
+        "bits": int(opt.storage_bits(qt.shape)),
+        "bpw": opt.bpw(qt.shape),
+        "bytes": int(sum(a.nbytes for a in arrays.values())),
+        "err": err,
+        "clip": {k: qt.stats[k] for k in ("clipped_fraction", "clip_improvement") if k in qt.stats},
+    }
+
+
+def quantize_model(
+    model: str,
+    plan: Plan | str | Path,
+    *,
+    calib: str | Path | None = None,
+    rows: int = DEFAULT_ROWS,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    seed: int = 0,
+    method: str = "gptq",
+    sequential: bool = True,
+    clip: bool = True,
+    damp: float = 0.01,
+    dtype: str = "float16",
+    progress: bool = False,
+) -> tuple[nn.Module, Any]:
+    """The model quantized with ``plan`` in memory (same arithmetic as :func:`convert`), and its tokenizer.
+
+    Uniform tensors become MLX's own quantized layers, mixed ones mlx-dq's mixed
+    layers, 16-bit ones stay as they are (rounded to ``dtype``).
+    """
+    from . import calib as calib_mod
+    from .loader import _set_module
+    from .mixed import mixed_layer_from_quantized
+    from .sources import build_model, resolve
+
+    source = resolve(str(model))
+    the_plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
+    options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
+    out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
+    tokenizer = source.tokenizer()
+    texts = calib_mod.load_texts(calib) if calib else calib_mod.default_calibration_texts()
+    tokens = calib_mod.sample_rows(tokenizer, texts, rows, seq_len, seed)
+    net = build_model(source.config)
+    layers_new: dict[str, nn.Module] = {}
+    plain: dict[str, mx.array] = {}
+    for item in quantize_stream(source, options, tokens, method=method, sequential=sequential, clip=clip,
+                                damp=damp, progress=progress):
+        if isinstance(item, dict):
+            plain.update({k: v.astype(out_dtype) for k, v in item.items()})
+            continue
+        path, mod, qt, _gram, _w = item
+        if qt.fp is not None:
+            plain[f"{path}.weight"] = qt.fp.astype(out_dtype)
+            if "bias" in mod:
+                plain[f"{path}.bias"] = mod["bias"].astype(out_dtype)
+            continue
+        template = dict(net.named_modules())[path]
+        layers_new[path] = (template, qt)
+    for path, (template, qt) in layers_new.items():
+        new = mixed_layer_from_quantized(template, qt, prefer_stock=True)
+        if "bias" in new:
+            new.bias = plain.pop(f"{path}.bias")
+        for k in [k for k in new.keys() if k.startswith(("scales", "biases"))]:
+            new[k] = new[k].astype(out_dtype)
+        _set_module(net, path, new)
+    if plain:
+        net.load_weights(list(plain.items()), strict=False)
+    mx.eval(net.parameters())
+    return net, tokenizer
+
+
+def convert(
+    model: str,
+    out_dir: str | Path,
+    *,
+    bpw: float | None = None,
+    plan: Plan | str | Path | None = None,
+    measurement: Measurement | str | Path | None = None,
+    mlx_lm_compatible: bool = False,
+    head_option: str | None = None,
+    keep: Iterable[str] = (),
+    calib: str | Path | None = None,
+    rows: int = DEFAULT_ROWS,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    seed: int = 0,
+    method: str = "gptq",
+    sequential: bool = True,
+    clip: bool = True,
+    damp: float = 0.01,
+    dtype: str = "float16",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    force: bool = False,
+    progress: bool = True,
+    measure_kwargs: dict | None = None,
+    _fail_after_layer: int | None = None,
+) -> dict:
+    """Convert ``model`` (any source :func:`mlx_dq.sources.resolve` accepts) into an MLX folder ``out_dir``.
+
+    Returns the manifest written to ``out_dir/mlx_dq.json``. ``head_option``
+    None puts embedding/head into the bpw budget (so ``bpw`` is the whole
+    model's average); a description fixes them outside it.
+    """
+    from . import __version__
+    from . import calib as calib_mod
+    from .sources import resolve
+
+    t_start = time.perf_counter()
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(dtype)
+    if out_dtype is None:
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FileExistsError(f"{out} already exists and is not empty; pass force=True (--force) to replace it")
+    source = resolve(str(model))
+    mkw = dict(measure_kwargs or {})
+    mkw.setdefault("calib", calib)
+    mkw.setdefault("seed", seed)
+    meas_path = out.parent / f".{out.name}.measurement.json"
+    the_plan, meas = resolve_plan(
+        source, bpw=bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
+        mlx_lm_compatible=mlx_lm_compatible, head_option=head_option, keep=keep, measure_kwargs=mkw,
+        progress=progress,
+    )
+    options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
+
+    texts = calib_mod.load_texts(calib) if calib else calib_mod.default_calibration_texts()
+    tokens = calib_mod.sample_rows(source.tokenizer(), texts, rows, seq_len, seed)
+    tmp = _prepare_output(out, force)
+    try:
+        writer = ShardWriter(tmp, shard_bytes)
+        records: dict[str, dict] = {}
+        mixed: dict[str, dict] = {}
+        qconf: dict[str, dict] = {}
+        stream = quantize_stream(source, options, tokens, method=method, sequential=sequential, clip=clip,
+                                 damp=damp, progress=progress, _fail_after_layer=_fail_after_layer)
+        for item in stream:
+            if isinstance(item, dict):  # parameters that stay as they are (norms, biases)
+                writer.add({k: v.astype(out_dtype) for k, v in item.items()})
+                continue
+            path, mod, qt, gram, w = item
+            arrays = tensor_arrays(path, qt, out_dtype)
+            writer.add(arrays)
+            opt = qt.option
+            if opt.is_mixed:
+                mixed[path] = {"option": opt.desc, "shape": list(qt.shape), "kind": _module_kind(mod),
+                               "bias": "bias" in mod}
+            elif not opt.keep16:
+                seg = opt.segments[0]
+                qconf[path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
+            records[path] = _record(qt, gram, w, arrays)
+
+        files = writer.close()
+        config = _output_config(source.config, qconf, mixed, out_dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if mixed:
+            (tmp / MODEL_FILE).write_text(MODEL_FILE_TEXT)
+        source.save_tokenizer(tmp)
+        if meas is not None:
+            from .measurement import save_measurement
+
+            save_measurement(meas, tmp / "measurement.json")
+        save_plan(the_plan, tmp / "plan.json")
+        manifest = _manifest(
+            source, the_plan, records, mixed, files, config, __version__,
+            calib={"source": str(calib) if calib else "default", "rows": rows, "seq_len": seq_len, "seed": seed,
+                   "text_digest": calib_mod.text_digest(texts)},
+            settings={"method": method, "sequential": sequential, "clip": clip, "damp": damp, "dtype": dtype,
+                      "mlx_lm_compatible": mlx_lm_compatible, "head_option": head_option},
+            seconds=time.perf_counter() - t_start,
+        )
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    meas_path.unlink(missing_ok=True)
+    Path(str(meas_path) + ".state.safetensors").unlink(missing_ok=True)
+    return manifest
+
+
+def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: mx.Dtype) -> dict:
+    """config.json for the output: source config + mlx-lm ``quantization`` (+ ``model_file`` and mixed layers)."""
+    config = {k: v for k, v in src.items() if k not in ("quantization", "quantization_config", "model_file")}
+    config["torch_dtype"] = "float16" if dtype == mx.float16 else "bfloat16"
+    if qconf:
+        weight = {}
+        for e in qconf.values():
+            key = (e["bits"], e["group_size"])
+            weight[key] = weight.get(key, 0) + 1
+        bits, gs = max(weight, key=weight.get)
+        config["quantization"] = {"group_size": gs, "bits": bits, "mode": "affine", **dict(sorted(qconf.items()))}
+    if mixed:
+        config["model_file"] = MODEL_FILE
+        config["mlx_dq"] = {"mixed": dict(sorted(mixed.items()))}
+    return config
+
+
+def _manifest(
+    source: Any, plan: Plan, records: dict, mixed: dict, files: list[Path], config: dict, version: str,
+    calib: dict, settings: dict, seconds: float,
+) -> dict:
+    """The accounting and provenance record written as ``mlx_dq.json``."""
+    import mlx_lm
+
+    quant = {k: r for k, r in records.items() if r["option"] != "16bit"}
+    q_bits = sum(r["bits"] for r in records.values())
+    numel = sum(r["numel"] for r in records.values())
+    budget_keys = {e.key for e in plan.tensors if e.scope == "budget"}
+    b_bits = sum(r["bits"] for k, r in records.items() if k in budget_keys)
+    b_numel = sum(r["numel"] for k, r in records.items() if k in budget_keys)
+    disk = sum(f.stat().st_size for f in files)
+    packed = sum(r["bits"] for r in quant.values()) // 8
+    tied = {}
+    if config.get("tie_word_embeddings") or any(k.endswith("embed_tokens") for k in records) and not any(
+        k.endswith("lm_head") for k in records
+    ):
+        emb = [k for k in records if k.endswith("embed_tokens")]
+        if emb:
+            tied = {"lm_head": emb[0]}
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "schema_version": MANIFEST_VERSION,
+        "mlx_dq": version,
+        "mlx_lm": getattr(mlx_lm, "__version__", "unknown"),
+        "mlx": mx.__version__,
+        "accounting": {
+            "packed_bytes": int(packed),
+            "dense_bytes": int(sum(r["bytes"] for k, r in records.items() if k not in quant)),
+            "predicted_tensor_bytes": int(q_bits // 8),
+            "weights_on_disk_bytes": int(disk),
+            "quantized_elements": int(sum(r["numel"] for r in quant.values())),
+            "elements": int(numel),
+            "average_bits": b_bits / b_numel if b_numel else None,
+            "average_bits_all": q_bits / numel if numel else None,
+            "target_bpw": plan.target_bpw,
+        },
+        "tied": tied,
+        "expert_banks": sorted(k for k, r in records.items() if len(r["shape"]) == 3),
+        "mixed_modules": sorted(mixed),
+        "loading": (
+            "mlx_lm.load(path, trust_remote_code=True) / --trust-remote-code, or mlx_dq.load(path)"
+            if mixed else "mlx_lm.load(path) / mlx_lm.generate --model path"
+        ),
+        "provenance": {
+            "source": {"spec": source.spec, "kind": source.kind, "fingerprint": source.fingerprint(),
+                       "model_type": source.config.get("model_type")},
+            "plan": {"target_bpw": plan.target_bpw, "achieved_bpw": plan.achieved_bpw,
+                     "objective": plan.objective, "lower_bound": plan.lower_bound, "gap": plan.gap,
+                     "method": plan.method, "source": plan.source},
+            "calibration": calib,
+            "settings": settings,
+            "quantization_seconds": round(seconds, 2),
+        },
+        "modules": dict(sorted(records.items())),
+    }
