@@ -132,19 +132,119 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
     click.echo(f"plan written to {output} ({plan.wall_s:.2f} s)")
 
 
-@main.command(context_settings=PENDING)
-def convert() -> None:
-    """Quantize a model to a bits-per-weight target and write an MLX folder (not available yet)."""
-    _not_available("convert")
+@main.command(context_settings=CONTEXT)
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True,
+              help="HF folder, hub id, .gguf file or smollm2-135m.")
+@click.option("--bpw", type=float, default=None, help="Bits-per-weight target (all quantizable tensors by default).")
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Output model folder.")
+@click.option("--measurement", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Reuse a measurement (mlx-dq's or ExLlamaV2's) instead of measuring.")
+@click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Apply this plan as is (skips measuring and optimizing).")
+@click.option("--mlx-lm-compatible", is_flag=True, help="Whole-tensor options only: loads in stock mlx-lm.")
+@click.option("--head-option", default="budget", show_default=True,
+              help="Option for embedding/head outside the budget, or 'budget' to plan them with the rest.")
+@click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
+@click.option("--calib", type=click.Path(exists=True), default=None, help="Calibration .txt/.jsonl file or folder.")
+@click.option("--rows", default=32, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for the calibration rows.")
+@click.option("--method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+              help="GPTQ error compensation, or round-to-nearest with clip search.")
+@click.option("--no-sequential", is_flag=True, help="Feed each layer the unquantized model's activations.")
+@click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16", show_default=True,
+              help="Dtype of scales, biases and unquantized tensors.")
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+def convert(model_spec: str, bpw: float | None, output: str, measurement: str | None, plan_path: str | None,
+            mlx_lm_compatible: bool, head_option: str, keep: tuple[str, ...], calib: str | None, rows: int,
+            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, dtype: str,
+            force: bool) -> None:
+    """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads."""
+    from mlx_dq.convert import convert as run_convert
+
+    if bpw is None and plan_path is None:
+        raise click.UsageError("give --bpw (a target) or --plan (a plan file)")
+    try:
+        manifest = run_convert(
+            model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
+            mlx_lm_compatible=mlx_lm_compatible, head_option=None if head_option == "budget" else head_option,
+            keep=keep, calib=calib, rows=rows, seq_len=seq_len, seed=seed, method=method,
+            sequential=not no_sequential, clip=not no_clip, dtype=dtype, force=force,
+            measure_kwargs={"rows": rows, "seq_len": seq_len},
+        )
+    except (ValueError, FileExistsError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    acc = manifest["accounting"]
+    click.echo(f"wrote {output}: {acc['average_bits']:.4f} bpw planned tensors, {acc['average_bits_all']:.4f} bpw "
+               f"all quantizable tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
+               f"{manifest['provenance']['quantization_seconds']:.0f} s")
+    click.echo(f"load with: {manifest['loading']}")
 
 
-@main.command(context_settings=PENDING)
-def inspect() -> None:
-    """Print the per-layer bit map and accounting of a converted model (not available yet)."""
-    _not_available("inspect")
+@main.command(context_settings=CONTEXT)
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--width", default=5, show_default=True, type=click.IntRange(min=3), help="Characters per cell.")
+def inspect(folder: str, width: int) -> None:
+    """Print the per-layer bit map and the accounting of a converted model FOLDER."""
+    from mlx_dq.report import bit_map, read_manifest
+
+    try:
+        manifest = read_manifest(folder)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(bit_map(manifest, width=width))
 
 
-@main.command(name="eval", context_settings=PENDING)
-def eval_() -> None:
-    """Evaluate a converted model: perplexity, KL divergence, size, speed (not available yet)."""
-    _not_available("eval")
+@main.command(name="eval", context_settings=CONTEXT)
+@click.argument("model")
+@click.option("--base", default=None,
+              help="Unquantized model to compare with [default: the source recorded in MODEL's mlx_dq.json].")
+@click.option("--text", "text_path", type=click.Path(), default=None,
+              help="Evaluation .txt/.jsonl file or folder [default: the bundled evaluation text].")
+@click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Number of token rows.")
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for choosing the rows.")
+@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(min=1), help="Rows per forward pass.")
+@click.option("--speed/--no-speed", default=True, show_default=True, help="Time a short generation (tokens/s).")
+@click.option("--write/--no-write", default=True, show_default=True,
+              help="Add a results block to MODEL's mlx_dq.json when it has one.")
+def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_len: int, seed: int,
+          batch_size: int, speed: bool, write: bool) -> None:
+    """Evaluate MODEL (an output folder or a source): perplexity, KL divergence and top-1 vs BASE, size, speed."""
+    from mlx_dq import calib, evaluate
+    from mlx_dq.sources import load_model
+
+    try:
+        texts = calib.load_texts(text_path) if text_path else calib.default_eval_texts()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--text") from None
+    try:
+        q, tokenizer, _, folder = evaluate.load_for_eval(model)
+        base = base or (evaluate.manifest_base(folder) if folder is not None else None)
+        base_model = load_model(base, dtype=mx.float32)[0] if base else None
+        tokens = calib.sample_rows(tokenizer, texts, rows, seq_len, seed)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    t0 = time.perf_counter()
+    result = evaluate.evaluate_model(q, tokens, base=base_model, batch_size=batch_size, folder=folder,
+                                     tokenizer=tokenizer if speed else None, progress=True)
+    source = text_path or "default evaluation text (pydoc_data.topics)"
+    result.update(text=source, text_digest=calib.text_digest(texts), seed=seed, base=base)
+    click.echo(f"model: {model}" + (f"  (base: {base})" if base else "  (no base model: KL not computed)"))
+    click.echo(f"text: {source} [digest {result['text_digest']}], {rows} rows x {seq_len} tokens, seed {seed}")
+    click.echo(f"{result['evaluated_as']}; {time.perf_counter() - t0:.1f} s")
+    click.echo(f"bits per weight: {result['bits_per_weight']:.4f} (codes + 16-bit scales/biases, 16-bit others)")
+    size_kind = "on disk" if folder is not None else "stored"
+    click.echo(f"size {size_kind}: {result['size_bytes'] / 1e6:.2f} MB")
+    click.echo(f"perplexity: {result['perplexity']:.4f}")
+    if base_model is not None:
+        click.echo(f"base perplexity: {result['base_perplexity']:.4f}")
+        click.echo(f"KL divergence: {result['kl']:.6f} nats (max {result['kl_max']:.4f})")
+        click.echo(f"top-1 agreement: {result['top1']:.4f}")
+    click.echo(f"forward: {result['tokens_per_s']:.0f} tokens/s")
+    if "generation_tokens_per_s" in result:
+        click.echo(f"generation: {result['generation_tokens_per_s']:.1f} tokens/s")
+    if write and folder is not None and evaluate.read_manifest(folder) is not None:
+        block = evaluate.results_block(result, base_model, evaluate.read_manifest(folder))
+        click.echo(f"results written to {evaluate.write_results(folder, block)}")
