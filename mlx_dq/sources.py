@@ -241,7 +241,11 @@ class ModelSource:
         """mlx-lm's ``TokenizerWrapper`` for this model (for GGUF: rebuilt from the file's metadata)."""
         from mlx_lm.utils import load_tokenizer
 
-        return load_tokenizer(self._tokenizer_dir(), eos_token_ids=self.config.get("eos_token_id"))
+        folder = self._tokenizer_dir()
+        try:
+            return load_tokenizer(folder, eos_token_ids=self.config.get("eos_token_id"))
+        except Exception as e:  # transformers raises OSError, ValueError or TypeError for missing/broken files
+            raise ValueError(f"{self.spec}: cannot load a tokenizer from {folder}: {e}") from e
 
     def save_tokenizer(self, dst: str | Path) -> None:
         """Write the tokenizer files and chat template into ``dst`` (an output model folder)."""

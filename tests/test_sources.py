@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -130,6 +131,35 @@ def test_hub_id_offline_fails_fast_naming_the_id(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ValueError") and "someorg/tiny-missing-model" in last and "HF_HUB_OFFLINE" in last
     assert elapsed < 60
+
+
+def test_hub_id_served_from_local_cache_when_offline(tmp_path, tiny_llama):
+    # The hub cache layout huggingface_hub itself reads: refs/main -> snapshots/<commit>/.
+    repo = tmp_path / "hf" / "hub" / "models--someorg--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots").mkdir()
+    shutil.copytree(tiny_llama, repo / "snapshots" / commit)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    code = (
+        "from mlx_dq.sources import resolve; s = resolve('someorg/tiny-llama'); "
+        "print(s.kind, s.config['model_type'], len(s.weight_names()), s.path.name)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    kind, model_type, n, name = proc.stdout.split()
+    assert (kind, model_type, name) == ("hub", "llama", commit)
+    assert int(n) == len(resolve(str(tiny_llama)).weight_names())
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    folder = make_tiny_model_folder(tmp_path, "llama", 2, name="notok")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / f).unlink()
+    src = resolve(str(folder))
+    with pytest.raises(ValueError, match="tokenizer"):
+        src.tokenizer()
 
 
 def test_missing_path(tmp_path):
