@@ -84,3 +84,114 @@ def test_storage_bits_counts_codes_scales_and_permutation() -> None:
     assert QuantOption.fp16().storage_bits((10, 64)) == 10 * 64 * 16
     assert perm_bits(576) == 16 and perm_bits(70000) == 32
     assert math.isclose(QuantOption.parse("0.25:3b_64g/0.75:2b_64g").nominal_bpw(), 2.75)
+
+
+# ------------------------------------------------------------------ grids
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from mlx_dq.grids import ROLES, grid_names, load_grid, options_for, role_of  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["default", "fast"])
+def test_builtin_grids_cover_roles_and_range(name: str) -> None:
+    grid = load_grid(name)
+    assert tuple(grid) == ROLES
+    for role, opts in grid.items():
+        assert 5 <= len(opts) <= 25, role
+        bpws = [o.nominal_bpw() for o in opts]
+        assert bpws == sorted(bpws)
+        assert min(bpws) <= 2.5 and max(bpws) >= 8.5, role
+        assert any(o.is_mixed for o in opts) and any(not o.is_mixed for o in opts)
+        assert not any(o.keep16 for o in opts)
+        assert len(options_for(grid, f"model.layers.0.{role}", 576)) >= 5  # small models: in_features 576
+    if name == "default":
+        assert min(o.nominal_bpw() for o in grid["attn_in"]) <= 2.25
+        assert 15 <= len(grid["attn_in"]) <= 25
+
+
+def test_grid_files_ship_with_package_and_match_user_copies() -> None:
+    assert {"default", "fast"} <= set(grid_names())
+    top = REPO / "configs"
+    if not top.is_dir():
+        pytest.skip("not a source checkout")
+    for name in grid_names():
+        shipped = (REPO / "mlx_dq" / "configs" / f"{name}.json").read_text()
+        assert (top / f"{name}.json").read_text() == shipped, f"configs/{name}.json differs from the package copy"
+
+
+def test_user_grid_from_path_fills_missing_roles(tmp_path) -> None:
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"roles": {"attn_in": ["1.0:4b_64g", "0.1:5b_64g/0.9:4b_64g"], "default": ["1.0:3b_64g"]}}))
+    grid = load_grid(path)
+    assert [o.desc for o in grid["attn_in"]] == ["1.0:4b_64g", "0.1:5b_64g/0.9:4b_64g"]
+    assert [o.desc for o in grid["mlp_out"]] == ["1.0:3b_64g"]
+    path.write_text(json.dumps({"roles": {"mlp_in": ["1.0:8b_64g"]}}))
+    grid = load_grid(str(path))
+    assert [o.desc for o in grid["mlp_in"]] == ["1.0:8b_64g"]
+    assert grid["embed_head"] == load_grid()["embed_head"]
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ({"roles": {"attention": ["1.0:4b_64g"]}}, "unknown role 'attention'"),
+        ({"roles": {"mlp_in": ["1.0:4b_64g", "1.0:9b_64g"]}}, r"role 'mlp_in' entry 1 \('1.0:9b_64g'\)"),
+        ({"roles": {"mlp_in": ["16bit"]}}, "16-bit is chosen by the optimizer"),
+        ({"roles": {"mlp_in": ["1.0:4b_64g", "1.0:4b_64g s4"]}}, "twice"),
+        ({"roles": {"mlp_in": []}}, "non-empty list"),
+        ({"mlp_in": ["1.0:4b_64g"]}, "'roles' object"),
+        ({"roles": {}, "bits": 4}, "unknown top-level keys"),
+    ],
+)
+def test_bad_user_grids_are_named(content: dict, match: str, tmp_path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=match):
+        load_grid(path)
+
+
+def test_grid_file_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="not found"):
+        load_grid(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="unknown option grid 'huge'"):
+        load_grid("huge")
+    (tmp_path / "broken.json").write_text("{roles: ")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_grid(tmp_path / "broken.json")
+
+
+@pytest.mark.parametrize(
+    "name,role",
+    [
+        ("model.layers.3.self_attn.q_proj", "attn_in"),
+        ("model.layers.3.self_attn.k_proj.weight", "attn_in"),
+        ("model.layers.3.self_attn.qkv_proj", "attn_in"),
+        ("model.layers.3.self_attn.o_proj", "attn_out"),
+        ("model.layers.3.attention.out_proj", "attn_out"),
+        ("transformer.h.0.self_attention.dense", "attn_out"),
+        ("model.layers.3.mlp.gate_proj", "mlp_in"),
+        ("model.layers.3.mlp.up_proj", "mlp_in"),
+        ("model.layers.3.mlp.down_proj", "mlp_out"),
+        ("transformer.h.0.mlp.c_proj", "mlp_out"),
+        ("transformer.h.0.attn.c_proj", "attn_out"),
+        ("model.embed_tokens", "embed_head"),
+        ("lm_head", "embed_head"),
+        ("model.layers.3.mlp.switch_mlp.gate_proj", "expert_in"),
+        ("model.layers.3.mlp.switch_mlp.up_proj.weight", "expert_in"),
+        ("model.layers.3.mlp.switch_mlp.down_proj", "expert_out"),
+        ("model.layers.3.block_sparse_moe.switch_mlp.w2", "expert_out"),
+        ("model.layers.3.mlp.shared_expert.down_proj", "mlp_out"),
+        ("heads.0.proj", "default"),
+        ("groups.2.blocks.1.fc", "default"),
+    ],
+)
+def test_role_of_maps_mlx_lm_paths(name: str, role: str) -> None:
+    assert role_of(name) == role
+
+
+def test_role_of_rejects_empty_path() -> None:
+    with pytest.raises(ValueError, match="empty parameter path"):
+        role_of("")
