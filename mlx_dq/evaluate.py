@@ -9,10 +9,13 @@ error (see the design notes).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -192,6 +195,7 @@ class Reference:
     rows: mx.array
     batch_size: int
     logprobs: list[mx.array]
+    perplexity: float
     seconds: float
 
 
@@ -200,11 +204,15 @@ def reference(base_model: nn.Module, rows: mx.array, batch_size: int = 4, progre
     _check_rows(rows, batch_size)
     t0 = time.perf_counter()
     out = []
+    nll = 0.0
     for i in tqdm(range(0, rows.shape[0], batch_size), desc="reference", unit="batch", disable=not progress):
-        lp = _logprobs(base_model, rows[i : i + batch_size])
+        batch = rows[i : i + batch_size]
+        lp = _logprobs(base_model, batch)
         mx.eval(lp)
         out.append(lp)
-    return Reference(rows, batch_size, out, time.perf_counter() - t0)
+        nll -= float(mx.take_along_axis(lp, batch[:, 1:, None], axis=-1).sum().item())
+    ppl = math.exp(nll / (rows.shape[0] * (rows.shape[1] - 1)))
+    return Reference(rows, batch_size, out, ppl, time.perf_counter() - t0)
 
 
 def kl_divergence(
@@ -319,3 +327,95 @@ def evaluate_model(
     if tokenizer is not None:
         result["generation_tokens_per_s"] = generation_speed(model, tokenizer)
     return result
+
+
+# ----------------------------------------------------------------------------
+# evaluating an output folder and recording the results in its manifest
+# ----------------------------------------------------------------------------
+MANIFEST_NAME = "mlx_dq.json"
+
+
+def load_for_eval(spec: str) -> tuple[nn.Module, Any, dict, Path | None]:
+    """Load what ``mlx_dq eval`` evaluates: ``(model, tokenizer, config, folder)``.
+
+    A quantized folder (an mlx-dq output with ``mlx_dq.json``, or any folder whose config has
+    ``quantization``) loads as stored, through ``mlx_dq.load`` (mlx-lm's loader with mixed layers);
+    ``folder`` is then that folder. Anything else is a model source, loaded in float32.
+    """
+    path = Path(spec).expanduser()
+    config_path = path / "config.json"
+    if path.is_dir() and config_path.exists():
+        config = json.loads(config_path.read_text())
+        if (path / MANIFEST_NAME).exists() or "quantization" in config:
+            try:
+                from mlx_dq.loader import load as dq_load
+            except ImportError:
+                from mlx_lm import load as lm_load
+
+                model, tokenizer = lm_load(str(path), trust_remote_code=bool(config.get("model_file")))
+            else:
+                model, tokenizer = dq_load(path)
+            return model, tokenizer, config, path
+    from mlx_dq.sources import load_model
+
+    model, tokenizer, config = load_model(spec, dtype=mx.float32)
+    return model, tokenizer, config, None
+
+
+def read_manifest(folder: str | Path) -> dict | None:
+    """The folder's ``mlx_dq.json`` manifest, or None when it has none."""
+    path = Path(folder) / MANIFEST_NAME
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg})") from None
+
+
+def manifest_base(folder: str | Path) -> str | None:
+    """The source model spec an mlx-dq output was made from (its manifest's provenance), if recorded."""
+    manifest = read_manifest(folder) or {}
+    return (manifest.get("provenance", {}).get("source") or {}).get("spec")
+
+
+def results_block(result: dict, base_model: nn.Module | None = None, manifest: dict | None = None) -> dict:
+    """The ``results`` record of a manifest (cf. the ``results`` of other quantizers' records): quality, size, time."""
+    from mlx_dq import __version__
+
+    provenance = (manifest or {}).get("provenance", {})
+    original = None
+    if base_model is not None:
+        original = sum(v.size for _, v in tree_flatten(base_model.parameters())) * 2
+    block = {
+        "perplexity": result.get("perplexity"),
+        "base_perplexity": result.get("base_perplexity"),
+        "kl_divergence": result.get("kl"),
+        "kl_divergence_max": result.get("kl_max"),
+        "top1_agreement": result.get("top1"),
+        "bits_per_weight": result.get("bits_per_weight"),
+        "model_size_bytes": result.get("size_bytes"),
+        "original_size_bytes": original,
+        "quantization_seconds": provenance.get("quantization_seconds"),
+        "tokens_per_s": result.get("tokens_per_s"),
+        "generation_tokens_per_s": result.get("generation_tokens_per_s"),
+        "evaluation": {k: result.get(k) for k in ("text", "text_digest", "rows", "seq_len", "seed", "tokens",
+                                                  "base", "evaluated_as")},
+        "mlx_dq": __version__,
+    }
+    if original:
+        block["original_size_note"] = "base model parameters at 16 bits"
+    return block
+
+
+def write_results(folder: str | Path, block: dict) -> Path:
+    """Add (or replace) the ``results`` block of the folder's manifest, atomically."""
+    path = Path(folder) / MANIFEST_NAME
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ValueError(f"{folder} has no {MANIFEST_NAME}: not an mlx-dq output folder")
+    manifest["results"] = block
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, path)
+    return path

@@ -86,6 +86,7 @@ def test_reference_gives_the_same_numbers(llama, rows):
     cached = evaluate.kl_divergence(ref, q, rows, batch_size=4)
     for key in ("kl", "kl_max", "top1", "perplexity", "base_perplexity", "tokens"):
         assert cached[key] == pytest.approx(direct[key], rel=1e-6)
+    assert ref.perplexity == pytest.approx(evaluate.perplexity(model, rows), rel=1e-5)
     with pytest.raises(ValueError, match="other rows"):
         evaluate.kl_divergence(ref, q, rows[:, :-2], batch_size=4)
     with pytest.raises(ValueError, match="batch_size"):
@@ -160,3 +161,44 @@ def test_evaluate_model_reports_size_bpw_and_cpu_note(llama, rows):
     assert r["kl"] > 0 and 0 < r["top1"] <= 1 and r["tokens_per_s"] > 0
     if mx.default_device().type == mx.DeviceType.cpu:
         assert "dequantized float32" in r["evaluated_as"]
+
+
+@pytest.fixture(scope="module")
+def quantized_folder(tiny_llama, tmp_path_factory):
+    """An mlx-lm 4-bit g64 folder of the tiny llama, written by mlx-lm's own converter."""
+    from mlx_lm.convert import convert
+
+    out = tmp_path_factory.mktemp("q") / "llama-4bit"
+    convert(str(tiny_llama), str(out), quantize=True, q_bits=4, q_group_size=64, dtype="float16")
+    return out
+
+
+def test_eval_cli_reports_and_writes_the_manifest(quantized_folder, tiny_llama):
+    import json
+
+    from click.testing import CliRunner
+
+    from mlx_dq.cli import main
+
+    manifest = {"provenance": {"source": {"spec": str(tiny_llama)}, "quantization_seconds": 1.5}}
+    (quantized_folder / "mlx_dq.json").write_text(json.dumps(manifest))
+    res = CliRunner().invoke(main, ["eval", str(quantized_folder), "--rows", "2", "--seq-len", "16", "--no-speed"])
+    assert res.exit_code == 0, res.output
+    assert "dequantized float32 weights" in res.output
+    assert "KL divergence" in res.output and "bits per weight: 4.5000" in res.output
+    block = json.loads((quantized_folder / "mlx_dq.json").read_text())["results"]
+    assert block["bits_per_weight"] == pytest.approx(4.5)
+    assert block["kl_divergence"] > 0 and 0 < block["top1_agreement"] <= 1
+    assert block["quantization_seconds"] == 1.5
+    assert block["model_size_bytes"] == sum(f.stat().st_size for f in quantized_folder.glob("*.safetensors"))
+    assert block["original_size_bytes"] > block["model_size_bytes"]
+    assert block["evaluation"]["rows"] == 2 and block["evaluation"]["base"] == str(tiny_llama)
+
+
+def test_eval_cli_refuses_a_missing_model(tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_dq.cli import main
+
+    res = CliRunner().invoke(main, ["eval", str(tmp_path / "nowhere"), "--no-speed"])
+    assert res.exit_code != 0 and "nowhere" in res.output
