@@ -190,7 +190,7 @@ def resolve_plan(
     source: Any,
     *,
     bpw: float | None,
-    plan: Plan | str | Path | None,
+    plan: Plan | str | Path | dict | None,
     measurement: Measurement | str | Path | None,
     measurement_path: Path | None,
     mlx_lm_compatible: bool,
@@ -200,6 +200,8 @@ def resolve_plan(
     progress: bool,
 ) -> tuple[Plan, Measurement | None]:
     """The plan to apply: given as is, or optimized from a given or freshly measured measurement."""
+    if isinstance(plan, dict):
+        return plan_from_options(plan, source), None
     if plan is not None:
         return (load_plan(plan) if isinstance(plan, (str, Path)) else plan), None
     if bpw is None:
@@ -212,6 +214,26 @@ def resolve_plan(
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
     p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible)
     return p, m
+
+
+def plan_from_options(options: dict[str, str], source: Any) -> Plan:
+    """A plan from a hand-written mapping of module path -> option description (a fixed recipe)."""
+    from .optimize import PlanEntry
+    from .sources import build_model
+
+    mods = quantizable_modules(build_model(source.config))
+    entries, used, numel = [], 0, 0
+    for key, desc in options.items():
+        if key not in mods:
+            raise ValueError(f"the recipe names a tensor the model does not have: {key!r}")
+        opt = QuantOption.parse(desc)
+        shape = [int(d) for d in mods[key].weight.shape]
+        bits = opt.storage_bits(shape)
+        entries.append(PlanEntry(key=key, option=opt.desc, bits=bits, shape=shape, numel=math.prod(shape)))
+        used, numel = used + bits, numel + math.prod(shape)
+    bpw = used / numel if numel else 0.0
+    return Plan(target_bpw=bpw, achieved_bpw=bpw, objective=0.0, lower_bound=None, gap=None, budget_bits=used,
+                used_bits=used, numel=numel, total_bpw=bpw, tensors=entries, method="recipe")
 
 
 # --------------------------------------------------------------------------
@@ -337,7 +359,7 @@ def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dic
 
 def quantize_model(
     model: str,
-    plan: Plan | str | Path,
+    plan: Plan | str | Path | dict,
     *,
     calib: str | Path | None = None,
     rows: int = DEFAULT_ROWS,
@@ -361,7 +383,10 @@ def quantize_model(
     from .sources import build_model, resolve
 
     source = resolve(str(model))
-    the_plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
+    if isinstance(plan, dict):
+        the_plan = plan_from_options(plan, source)
+    else:
+        the_plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
     out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
     tokenizer = source.tokenizer()
@@ -401,7 +426,7 @@ def convert(
     out_dir: str | Path,
     *,
     bpw: float | None = None,
-    plan: Plan | str | Path | None = None,
+    plan: Plan | str | Path | dict | None = None,
     measurement: Measurement | str | Path | None = None,
     mlx_lm_compatible: bool = False,
     head_option: str | None = None,
@@ -462,9 +487,12 @@ def convert(
         qconf: dict[str, dict] = {}
         stream = quantize_stream(source, options, tokens, method=method, sequential=sequential, clip=clip,
                                  damp=damp, progress=progress, _fail_after_layer=_fail_after_layer)
+        other_bytes = 0
         for item in stream:
             if isinstance(item, dict):  # parameters that stay as they are (norms, biases)
-                writer.add({k: v.astype(out_dtype) for k, v in item.items()})
+                plain = {k: v.astype(out_dtype) for k, v in item.items()}
+                other_bytes += sum(v.nbytes for v in plain.values())
+                writer.add(plain)
                 continue
             path, mod, qt, gram, w = item
             arrays = tensor_arrays(path, qt, out_dtype)
@@ -490,7 +518,7 @@ def convert(
             save_measurement(meas, tmp / "measurement.json")
         save_plan(the_plan, tmp / "plan.json")
         manifest = _manifest(
-            source, the_plan, records, mixed, files, config, __version__,
+            source, the_plan, records, mixed, files, config, __version__, other_bytes, writer.nbytes,
             calib={"source": str(calib) if calib else "default", "rows": rows, "seq_len": seq_len, "seed": seed,
                    "text_digest": calib_mod.text_digest(texts)},
             settings={"method": method, "sequential": sequential, "clip": clip, "damp": damp, "dtype": dtype,
@@ -526,7 +554,7 @@ def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dt
 
 def _manifest(
     source: Any, plan: Plan, records: dict, mixed: dict, files: list[Path], config: dict, version: str,
-    calib: dict, settings: dict, seconds: float,
+    other_bytes: int, array_bytes: int, calib: dict, settings: dict, seconds: float,
 ) -> dict:
     """The accounting and provenance record written as ``mlx_dq.json``."""
     import mlx_lm
@@ -556,6 +584,9 @@ def _manifest(
             "packed_bytes": int(packed),
             "dense_bytes": int(sum(r["bytes"] for k, r in records.items() if k not in quant)),
             "predicted_tensor_bytes": int(q_bits // 8),
+            "other_bytes": int(other_bytes),
+            "predicted_bytes": int(q_bits // 8 + other_bytes),
+            "array_bytes": int(array_bytes),
             "weights_on_disk_bytes": int(disk),
             "quantized_elements": int(sum(r["numel"] for r in quant.values())),
             "elements": int(numel),

@@ -1,0 +1,133 @@
+"""Converter and loader: output folders that mlx-lm and mlx_dq.load read back exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+import mlx_dq
+from mlx_dq.convert import convert, quantize_model
+from mlx_dq.report import bit_map, read_manifest
+from mlx_dq.sources import build_model, resolve
+from mlx_dq.capture import quantizable_modules
+
+CALIB = {"rows": 4, "seq_len": 32, "progress": False}
+TOKENS = mx.array([[1, 5, 9, 17, 33, 65, 2, 7]])
+
+
+def _recipe(folder: Path, pick) -> dict[str, str]:
+    """Module path -> option description for every quantizable tensor, chosen by ``pick(path, module)``."""
+    mods = quantizable_modules(build_model(resolve(str(folder)).config))
+    return {p: pick(p, m) for p, m in mods.items() if pick(p, m)}
+
+
+def _mixed_everywhere(path: str, mod) -> str:
+    return "0.25:4b_32g/0.75:3b_32g" if "layers.1" in path or "embed" in path else "1.0:4b_64g"
+
+
+def _logits(model) -> np.ndarray:
+    return np.array(model(TOKENS).astype(mx.float32))
+
+
+def test_mixed_output_loads_everywhere_with_identical_logits(tiny_llama, tmp_path):
+    recipe = _recipe(tiny_llama, _mixed_everywhere)
+    out = tmp_path / "out"
+    manifest = convert(str(tiny_llama), out, plan=recipe, **CALIB)
+    ref, _ = quantize_model(str(tiny_llama), recipe, rows=4, seq_len=32)
+    expected = _logits(ref)
+
+    model, tok = mlx_dq.load(out)
+    np.testing.assert_array_equal(_logits(model), expected)
+    remote, _ = mlx_lm.load(str(out), model_config={}, **{"trust_remote_code": True})
+    np.testing.assert_array_equal(_logits(remote), expected)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        mlx_lm.load(str(out))
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_file"] == "mlx_dq_model.py"
+    assert set(config["mlx_dq"]["mixed"]) == {k for k, v in recipe.items() if "/" in v}
+    for key, desc in recipe.items():
+        if "/" not in desc:
+            assert config["quantization"][key] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    acc = manifest["accounting"]
+    assert acc["predicted_bytes"] == acc["array_bytes"]
+    assert manifest["mixed_modules"] and not manifest["expert_banks"]
+
+
+def test_stock_output_loads_in_plain_mlx_lm(tiny_qwen2, tmp_path):
+    recipe = _recipe(tiny_qwen2, lambda p, m: "1.0:3b_32g" if "mlp" in p else "1.0:5b_64g")
+    out = tmp_path / "stock"
+    manifest = convert(str(tiny_qwen2), out, plan=recipe, method="rtn", **CALIB)
+    config = json.loads((out / "config.json").read_text())
+    assert "model_file" not in config and "mlx_dq" not in config
+    model, _ = mlx_lm.load(str(out))
+    ref, _ = quantize_model(str(tiny_qwen2), recipe, rows=4, seq_len=32, method="rtn")
+    np.testing.assert_allclose(_logits(model), _logits(ref), rtol=0, atol=0)
+    # qwen2's head is tied to its embedding: one tensor, listed as tied
+    assert manifest["tied"] == {"lm_head": "model.embed_tokens"}
+    assert "lm_head" not in " ".join(manifest["modules"])
+
+
+@pytest.mark.parametrize("bank_option", ["1.0:4b_32g", "0.25:6b_32g/0.75:3b_32g"])
+def test_expert_banks_convert_and_load(tiny_qwen3_moe, tmp_path, bank_option):
+    recipe = _recipe(tiny_qwen3_moe, lambda p, m: bank_option if "switch_mlp" in p else
+                     ("1.0:8b_64g" if p.endswith("mlp.gate") else "1.0:4b_64g"))
+    out = tmp_path / "moe"
+    manifest = convert(str(tiny_qwen3_moe), out, plan=recipe, **CALIB)
+    banks = manifest["expert_banks"]
+    assert banks and all(len(manifest["modules"][b]["shape"]) == 3 for b in banks)
+    ref, _ = quantize_model(str(tiny_qwen3_moe), recipe, rows=4, seq_len=32)
+    model, _ = mlx_dq.load(out)
+    np.testing.assert_allclose(_logits(model), _logits(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_interrupted_convert_leaves_nothing_that_looks_complete(tiny_llama, tmp_path):
+    recipe = _recipe(tiny_llama, lambda p, m: "1.0:4b_64g")
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="simulated interruption"):
+        convert(str(tiny_llama), out, plan=recipe, _fail_after_layer=0, **CALIB)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_is_not_overwritten_without_force(tiny_llama, tmp_path):
+    recipe = _recipe(tiny_llama, lambda p, m: "1.0:4b_64g")
+    out = tmp_path / "out"
+    convert(str(tiny_llama), out, plan=recipe, **CALIB)
+    stamp = (out / "mlx_dq.json").stat().st_mtime_ns
+    with pytest.raises(FileExistsError, match="--force"):
+        convert(str(tiny_llama), out, plan=recipe, **CALIB)
+    assert (out / "mlx_dq.json").stat().st_mtime_ns == stamp
+    convert(str(tiny_llama), out, plan=_recipe(tiny_llama, lambda p, m: "1.0:8b_64g"), force=True, **CALIB)
+    assert all(r["option"] == "1.0:8b_64g" for r in read_manifest(out)["modules"].values())
+
+
+def test_bpw_target_pipeline_meets_target_and_reports(tiny_llama, tmp_path):
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"roles": {"default": ["1.0:2b_64g", "0.25:3b_64g/0.75:2b_64g", "1.0:3b_64g",
+                                                      "1.0:4b_64g", "0.5:6b_32g/0.5:4b_32g", "1.0:8b_64g"]}}))
+    out = tmp_path / "out"
+    manifest = convert(str(tiny_llama), out, bpw=3.5, measure_kwargs={"grid": str(grid), "rows": 4, "seq_len": 32},
+                       **CALIB)
+    acc = manifest["accounting"]
+    assert 3.5 - 0.1 <= acc["average_bits"] <= 3.5
+    assert acc["predicted_bytes"] == acc["array_bytes"]
+    assert (out / "measurement.json").exists() and (out / "plan.json").exists()
+    text = bit_map(read_manifest(out))
+    assert "average_bits" in text and "    0 " in text
+
+
+def test_plan_with_unknown_tensor_is_refused(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="does not have"):
+        convert(str(tiny_llama), tmp_path / "o", plan={"model.layers.9.mlp.up_proj": "1.0:4b_64g"}, **CALIB)
+
+
+def test_read_manifest_rejects_foreign_json(tmp_path):
+    (tmp_path / "mlx_dq.json").write_text(json.dumps({"schema": "dynquant_checkpoint_v2"}))
+    with pytest.raises(ValueError, match="not an mlx-dq manifest"):
+        read_manifest(tmp_path)
