@@ -124,7 +124,19 @@ def normalize_config(config: dict) -> dict:
 
 
 def build_model(config: dict) -> nn.Module:
-    """An mlx-lm model instance for ``config`` (mlx-lm's own classes), weights not loaded."""
+    """An mlx-lm model instance for ``config`` (mlx-lm's own classes), weights not loaded.
+
+    Its parameters are exactly :meth:`ModelSource.weight_names`: a model that decides tying in
+    its ``sanitize`` (gemma3_text drops ``lm_head`` there) is tied here when the config says so.
+    """
+    model = _instantiate(config)
+    if config.get("tie_word_embeddings") and "lm_head" in model and hasattr(model, "sanitize"):
+        model.sanitize({})  # what loading a checkpoint without lm_head.weight does
+    return model
+
+
+def _instantiate(config: dict) -> nn.Module:
+    """The bare mlx-lm model for ``config``, before any sanitize."""
     from mlx_lm.utils import _get_classes
 
     if not isinstance(config.get("model_type"), str):
@@ -153,7 +165,7 @@ class ModelSource:
 
     def _sanitize(self, raw: dict[str, mx.array]) -> tuple[nn.Module, dict[str, mx.array]]:
         """Run the model's own sanitize on ``raw`` (on a fresh instance: some sanitizers edit the model)."""
-        model = build_model(self.config)
+        model = _instantiate(self.config)
         weights = model.sanitize(dict(raw)) if hasattr(model, "sanitize") else dict(raw)
         return model, weights
 
@@ -200,7 +212,7 @@ class ModelSource:
 
     def model(self, dtype: mx.Dtype = mx.float32) -> nn.Module:
         """The full mlx-lm model with every weight loaded (strictly) in ``dtype``."""
-        model = build_model(self.config)
+        model = _instantiate(self.config)
         raw = self._raw.read(self._raw.keys())
         weights = model.sanitize(raw) if hasattr(model, "sanitize") else raw
         try:

@@ -18,7 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
 from fixtures_models import make_tiny_model_folder, tiny_tokenizer
-from mlx_dq.sources import ModelSource, load_model, resolve
+from mlx_dq.sources import ModelSource, build_model, load_model, resolve
 
 TEXT = "the quick brown fox said hello to the lazy dog"
 
@@ -34,6 +34,7 @@ def test_folder_source_matches_mlx_lm(fixture, request):
     assert isinstance(src, ModelSource) and src.kind == "folder" and src.path == folder
     ref, ref_tok = mlx_lm_load(str(folder))
     assert src.weight_names() == [k for k, _ in tree_flatten(ref.parameters())]
+    assert src.weight_names() == [k for k, _ in tree_flatten(build_model(src.config).parameters())]
     assert src.num_layers == 2
 
     model, tok, config = load_model(str(folder))
