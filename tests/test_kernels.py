@@ -279,6 +279,7 @@ TOL = {mx.float32: 2e-6, mx.float16: 1e-3, mx.bfloat16: 4e-3}
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[c.name for c in CASES])
 def test_compiled_kernel_matches_numpy(harness, i):
+    """The g++-compiled generated kernel equals numpy dequantize-then-matmul."""
     case = CASES[i]
     got = run_compiled(harness, i, case)
     ref = reference(case)
@@ -300,6 +301,7 @@ def test_compiled_kernel_detects_a_flipped_bit(harness):
 
 
 def test_generated_source_contains_kernel_body_and_template():
+    """MLX's generated Metal source holds our body verbatim, our template arguments and buffer types."""
     case = next(c for c in CASES if c.name == "wide")
     case.build()
     d = case.data
@@ -317,6 +319,7 @@ def test_generated_source_contains_kernel_body_and_template():
 
 
 def test_kernel_template_rejects_bad_calls():
+    """Too many rows or segments, or widths not adding to K, raise ValueError."""
     with pytest.raises(ValueError, match="rows"):
         kernels.kernel_template(mx.float32, 9, 4, 64, [4], [32], [64])
     with pytest.raises(ValueError, match="segments"):
@@ -326,6 +329,7 @@ def test_kernel_template_rejects_bad_calls():
 
 
 def test_dequantize_parts_matches_numpy():
+    """The portable fp32 dequantization equals the numpy reference."""
     case = next(c for c in CASES if c.name == "mixed3")
     case.build()
     d = case.data
@@ -338,6 +342,7 @@ def test_dequantize_parts_matches_numpy():
 @pytest.mark.skipif(not kernels.metal_active(), reason="needs Apple silicon with Metal")
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[c.name for c in CASES])
 def test_metal_kernel_matches_portable(i):
+    """On Apple silicon: the real fused kernel and per-segment path equal the dequantized matmul."""
     case = CASES[i]
     case.build()
     d = case.data

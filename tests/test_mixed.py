@@ -50,6 +50,7 @@ def _rel(a, b) -> float:
 
 @pytest.mark.parametrize("desc", OPTIONS)
 def test_linear_forward_equals_dequantized_matmul(desc):
+    """Forward equals x @ W^T + b with W dequantized in numpy float64, for mixed and uniform options."""
     qt = _quantized((72, 256), desc, seed=3)
     bias = mx.random.normal((72,), key=mx.random.key(9))
     layer = MixedLinear.from_quantized(qt, bias=bias)
@@ -65,6 +66,7 @@ def test_linear_forward_equals_dequantized_matmul(desc):
 
 
 def test_linear_with_clip_search_and_bf16_input():
+    """Clip-searched weights with bfloat16 scales and input: output in bf16, values match numpy."""
     qt = _quantized((40, 192), "0.34:5b_64g/0.66:3b_32g", seed=5, clip=True, scale_dtype=mx.bfloat16)
     layer = MixedLinear.from_quantized(qt)
     assert layer["scales_0"].dtype == mx.bfloat16
@@ -76,6 +78,7 @@ def test_linear_with_clip_search_and_bf16_input():
 
 
 def test_portable_path_never_uses_quantized_matmul(monkeypatch):
+    """On CPU no layer calls MLX's quantized_matmul or gather_qmm (70x slower there)."""
     assert not kernels.metal_active()
 
     def refuse(*a, **k):
@@ -90,6 +93,7 @@ def test_portable_path_never_uses_quantized_matmul(monkeypatch):
 
 
 def test_save_load_round_trip_is_identical(tmp_path):
+    """save_weights -> fresh layers -> load_weights gives identical outputs under stable names."""
     class Tiny(nn.Module):
         def __init__(self, descs):
             super().__init__()
@@ -124,6 +128,7 @@ def test_save_load_round_trip_is_identical(tmp_path):
 
 
 def test_embedding_rows_and_tied_head():
+    """Embedding lookups and as_linear equal the numpy-dequantized table."""
     qt = _quantized((100, 128), "0.25:5b_32g/0.75:3b_64g", seed=11)
     emb = MixedEmbedding.from_quantized(qt)
     w64 = _np_weight(qt)
@@ -140,6 +145,7 @@ def test_embedding_rows_and_tied_head():
 @pytest.mark.parametrize("desc", ["0.1:4b_32g/0.9:3b_32g", "1.0:5b_64g"])
 @pytest.mark.parametrize("sort", [False, True])
 def test_switch_matches_mlx_lm_switch_linear(desc, sort):
+    """The expert bank equals mlx-lm's SwitchLinear holding the dequantized weights."""
     e, out_f, in_f = 6, 48, 256
     qt = _quantized((e, out_f, in_f), desc, seed=21)
     bias = mx.random.normal((e, out_f), key=mx.random.key(22))
@@ -176,6 +182,7 @@ def test_switch_glu_with_mixed_banks():
 
 
 def test_mixed_layer_from_quantized_picks_classes():
+    """The right layer class per original module; stock MLX classes for uniform options on request."""
     lin, emb, sw = nn.Linear(128, 32, bias=True), nn.Embedding(50, 128), SwitchLinear(128, 32, 3, bias=False)
     mixed = "0.5:4b_32g/0.5:3b_32g"
     assert isinstance(mixed_layer_from_quantized(lin, _quantized((32, 128), mixed)), MixedLinear)
@@ -195,6 +202,7 @@ def test_mixed_layer_from_quantized_picks_classes():
 
 
 def test_bad_inputs_raise_clear_errors():
+    """16-bit options, unknown modules and wrong weight ranks raise ValueError naming the problem."""
     with pytest.raises(ValueError, match="16-bit"):
         mixed_layer_from_quantized(nn.Linear(64, 8), quantize_weight(mx.zeros((8, 64)), QuantOption.fp16()))
     with pytest.raises(ValueError, match="Conv1d"):
