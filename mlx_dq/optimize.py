@@ -641,8 +641,8 @@ def greedy_single_pass(measurement: Measurement, target_bpw: float, **kw: Any) -
     return _make_plan(p, measurement, choice, None, "greedy-single-pass", t0)
 
 
-def _nearest_choice(it: _Item, opt: QuantOption) -> int:
-    """The item's choice equal to ``opt`` for every member, else the one nearest in bpw."""
+def _nearest_choice(it: _Item, opt: QuantOption) -> tuple[int, bool]:
+    """The item's choice equal to ``opt`` for every member (exact: True), else the one nearest in bpw."""
     def options_of(c: Any) -> list:
         if c is None:
             return [QuantOption.fp16()]
@@ -652,12 +652,12 @@ def _nearest_choice(it: _Item, opt: QuantOption) -> int:
 
     for j, c in enumerate(it.choices):
         if all(o == opt for o in options_of(c)):
-            return j
+            return j, True
     same_bits = [j for j, c in enumerate(it.choices)
                  if all(not o.is_mixed and o.max_bits == opt.max_bits for o in options_of(c))]
     pool = same_bits or range(len(it.choices))
     want = opt.nominal_bpw()
-    return min(pool, key=lambda j: (abs(it.bits[j] / it.numel - want), it.damage[j]))
+    return min(pool, key=lambda j: (abs(it.bits[j] / it.numel - want), it.damage[j])), False
 
 
 def dynamic_quant_threshold(
@@ -687,11 +687,13 @@ def dynamic_quant_threshold(
         raise TypeError(f"unexpected arguments: {sorted(kw)}")
     lo_opt = QuantOption.uniform(low_bits, low_group_size)
     hi_opt = QuantOption.uniform(high_bits, high_group_size)
-    low = [_nearest_choice(it, lo_opt) for it in p.items]
-    high = [_nearest_choice(it, hi_opt) for it in p.items]
+    low_x = [_nearest_choice(it, lo_opt) for it in p.items]
+    high_x = [_nearest_choice(it, hi_opt) for it in p.items]
+    low, high = [j for j, _ in low_x], [j for j, _ in high_x]
+    exact = sum(a and b for (_, a), (_, b) in zip(low_x, high_x))
     used = sum(int(it.bits[j]) for it, j in zip(p.items, low))
-    if used > p.budget:
-        top = sum(int(it.bits[j]) for it, j in zip(p.items, high))
+    top = sum(int(it.bits[j]) for it, j in zip(p.items, high))
+    if not used <= p.budget <= top:
         raise _range_error(p, used, max(top, used), f"outside the two-level range of {lo_opt.desc} / {hi_opt.desc}")
     sens = [(float(it.damage[lj] - it.damage[hj]) / (it.numel / 1e6), i)
             for i, (it, lj, hj) in enumerate(zip(p.items, low, high))]
@@ -704,7 +706,8 @@ def dynamic_quant_threshold(
             break
         choice[i] = high[i]
         used += extra
-    p.settings["baseline"] = f"mlx-lm dynamic_quant rule {lo_opt.desc} / {hi_opt.desc}"
+    p.settings["baseline"] = (f"mlx-lm dynamic_quant rule {lo_opt.desc} / {hi_opt.desc} "
+                              f"({exact}/{len(p.items)} items had both measured; others use the nearest option)")
     return _make_plan(p, measurement, choice, None, "dynamic-quant-threshold", t0)
 
 
