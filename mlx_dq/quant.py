@@ -362,6 +362,32 @@ def act_order(in_features: int, gram: mx.array | None) -> np.ndarray:
     return np.argsort(-energy, kind="stable")
 
 
+def permute_inputs(
+    w: mx.array, gram: mx.array | None, option: QuantOption
+) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
+    """Weight ``[B, R, in]`` (float32) and Gram ``[Bg, in, in]`` in the order the option stores them.
+
+    Mixed options use act-order (:func:`act_order`) and return the stored
+    permutation (uint16 or uint32); uniform options keep the order (``None``).
+    """
+    wf = w.astype(mx.float32)
+    if not option.is_mixed:
+        return wf, gram, None
+    in_f = int(w.shape[-1])
+    order = act_order(in_f, gram)
+    idx = mx.array(order.astype(np.int32))
+    wf = mx.take(wf, idx, axis=-1)
+    if gram is not None:
+        gram = mx.take(mx.take(gram, idx, axis=-1), idx, axis=-2)
+    return wf, gram, order.astype(np.uint16 if perm_bits(in_f) == 16 else np.uint32)
+
+
+def pack_part(codes: mx.array, scales: mx.array, biases: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """MLX's stored triple from integer codes ``[..., k]`` and per-group ``scales``/``biases`` ``[..., k/g]``."""
+    q = np.array(codes.astype(mx.uint8))
+    return mx.array(pack_codes(q, bits)), scales, biases
+
+
 def quantize_weight(
     w: mx.array,
     option: QuantOption,
@@ -386,17 +412,8 @@ def quantize_weight(
     if clip_metric not in CLIP_METRICS:
         raise ValueError(f"clip metric must be one of {CLIP_METRICS}, got {clip_metric!r}")
     w3, g3 = _as_banks(w, gram)
-    in_f = shape[-1]
-    widths = option.split(in_f)
-    perm = None
-    wf = w3.astype(mx.float32)
-    if option.is_mixed:
-        order = act_order(in_f, g3)
-        perm = order.astype(np.uint16 if perm_bits(in_f) == 16 else np.uint32)
-        idx = mx.array(order.astype(np.int32))
-        wf = mx.take(wf, idx, axis=-1)
-        if g3 is not None:
-            g3 = mx.take(mx.take(g3, idx, axis=-1), idx, axis=-2)
+    widths = option.split(shape[-1])
+    wf, g3, perm = permute_inputs(w3, g3, option)
     qt = QuantizedTensor(option, shape, perm=perm)
     base_total = best_total = 0.0
     clipped = 0
@@ -407,10 +424,9 @@ def quantize_weight(
         target = wf[..., start : start + k]
         ws = target.astype(scale_dtype)
         if not clip:
-            packed, scales, biases = mx.quantize(ws, group_size=seg.group_size, bits=seg.bits)
+            part = mx.quantize(ws, group_size=seg.group_size, bits=seg.bits)
         else:
-            b, r = ws.shape[0], ws.shape[1]
-            ng = k // seg.group_size
+            b, r, ng = ws.shape[0], ws.shape[1], k // seg.group_size
             weight = None
             if g3 is not None:
                 weight = gram_weights(g3[:, start : start + k, start : start + k], seg.group_size, clip_metric)
@@ -423,15 +439,11 @@ def quantize_weight(
                 factors=clip_factors,
                 dtype=scale_dtype,
             )
-            codes = np.array(res.codes.astype(mx.uint8 if seg.bits <= 8 else mx.uint16)).reshape(b, r, k)
-            packed = mx.array(pack_codes(codes, seg.bits))
-            scales, biases = res.scales, res.biases
+            part = pack_part(res.codes.reshape(b, r, k), res.scales, res.biases, seg.bits)
             base_total += float(res.base_err.sum().item())
             best_total += float(res.err.sum().item())
             clipped += res.clipped
-        if len(shape) == 2:
-            packed, scales, biases = packed[0], scales[0], biases[0]
-        qt.parts.append((packed, scales, biases))
+        qt.parts.append(tuple(a[0] for a in part) if len(shape) == 2 else tuple(part))
         qt.widths.append(k)
         qt.bits.append(seg.bits)
         qt.group_sizes.append(seg.group_size)
