@@ -285,6 +285,9 @@ def test_baselines_respect_budget_and_lose_to_the_optimizer() -> None:
     for plan in (ours, greedy, dq):
         assert plan.used_bits <= math.floor(target * n)
     assert {e.option for e in dq.tensors} == {"1.0:4b_64g", "1.0:5b_64g"}
+    assert "60/60 items had both measured" in dq.settings["baseline"]
+    with pytest.raises(ValueError, match="two-level range"):
+        dynamic_quant_threshold(m, 1.01 * hi5 / n)
     assert ours.objective <= greedy.objective * (1 + 1e-12)
     assert ours.objective < dq.objective
 
