@@ -8,6 +8,7 @@ Models are always mlx-lm's own classes (``mlx_lm.utils._get_classes``).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -16,6 +17,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
@@ -328,9 +330,16 @@ def _folder_source(spec: str, folder: Path, kind: str) -> ModelSource:
     return ModelSource(spec, kind, folder, config, _SafetensorsWeights(_weight_files(folder)))
 
 
+@lru_cache(maxsize=4)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    """Parse a GGUF header once per process (parsing a large vocabulary takes seconds); keyed on size and mtime."""
+    return GGUFFile(path)
+
+
 def _gguf_source(spec: str, path: Path, kind: str) -> ModelSource:
-    gfile = GGUFFile(path)
-    config = gfile.config
+    st = path.stat()
+    gfile = _open_gguf(str(path.resolve()), st.st_size, st.st_mtime_ns)
+    config = copy.deepcopy(gfile.config)
     _check_architecture(config, path)
     return ModelSource(spec, kind, path, config, _GGUFWeights(gfile))
 

@@ -242,6 +242,43 @@ def random_q4_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return out
 
 
+def gpt2_vocab(vocab_size: int = VOCAB_SIZE) -> dict:
+    """GGUF tokenizer metadata (llama.cpp's "gpt2" byte-level BPE) of :func:`tiny_tokenizer`."""
+    tok = tiny_tokenizer(vocab_size)
+    state = json.loads(tok.backend_tokenizer.to_str())
+    tokens = [t for t, _ in sorted(state["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    return {
+        "model": "gpt2",
+        "tokens": tokens,
+        "types": [3 if t in SPECIAL_TOKENS else 1 for t in tokens],
+        "merges": [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]],
+        "bos": tok.bos_token_id,
+        "eos": tok.eos_token_id,
+        "add_bos": False,
+    }
+
+
+SPM_PIECES = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "t", "\u2581h", "\u2581w", "ll", "llo", "\u2581hello",
+              "or", "orl", "orld", "\u2581world", "\u2581t", "he", "\u2581the"]
+
+
+def spm_vocab() -> dict:
+    """GGUF tokenizer metadata of a tiny SentencePiece ("llama") vocabulary, as Gemma files carry.
+
+    Pieces are listed best first, as Gemma's converter writes them; ``<0xNN>`` byte pieces cover the rest.
+    """
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    return {
+        "model": "llama",
+        "tokens": tokens,
+        "types": [3, 3, 3, 2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES),
+        "scores": [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(SPM_PIECES))],
+        "bos": 2,
+        "eos": 1,
+    }
+
+
 def write_tiny_gguf(
     path: Path,
     config: dict,
@@ -249,11 +286,13 @@ def write_tiny_gguf(
     qtypes: dict[str, str] | None = None,
     default_qtype: str = "F32",
     extra: dict[str, np.ndarray] | None = None,
+    vocab: dict | None = None,
 ) -> dict[str, np.ndarray]:
     """Write ``weights`` (HF names) as a GGUF for llama/qwen2/gemma3 the way llama.cpp does; return what was stored.
 
     ``qtypes`` maps a substring of an HF name to a GGML type name ("Q8_0", "Q4_K", "F16", ...);
     "Q4_K" stores random valid blocks (the gguf package cannot quantize K-quants) instead of the weight.
+    ``vocab`` is the tokenizer metadata (:func:`gpt2_vocab`, the default, or :func:`spm_vocab`).
     ``extra`` holds float32 tensors stored as is under their GGUF names (e.g. ``rope_freqs.weight``).
     The returned dict holds, per HF name, the float weight the file now represents in HF layout.
     """
@@ -274,18 +313,19 @@ def write_tiny_gguf(
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
 
-    tok = tiny_tokenizer(config["vocab_size"])
-    state = json.loads(tok.backend_tokenizer.to_str())
-    vocab = sorted(state["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = set(SPECIAL_TOKENS)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([t for t, _ in vocab])
-    writer.add_token_types([3 if t in specials else 1 for t, _ in vocab])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]])
-    writer.add_bos_token_id(tok.bos_token_id)
-    writer.add_eos_token_id(tok.eos_token_id)
-    writer.add_add_bos_token(False)
+    vocab = vocab or gpt2_vocab(config["vocab_size"])
+    writer.add_tokenizer_model(vocab["model"])
+    writer.add_tokenizer_pre(vocab.get("pre", "default"))
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    if "scores" in vocab:
+        writer.add_token_scores(vocab["scores"])
+    if "merges" in vocab:
+        writer.add_token_merges(vocab["merges"])
+    writer.add_bos_token_id(vocab["bos"])
+    writer.add_eos_token_id(vocab["eos"])
+    if "add_bos" in vocab:
+        writer.add_add_bos_token(vocab["add_bos"])
     writer.add_chat_template(CHAT_TEMPLATE)
 
     qtypes = qtypes or {}

@@ -12,7 +12,15 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import generate
 
-from fixtures_models import CHAT_TEMPLATE, llama_cpp_permute, random_weights, tiny_config, tiny_tokenizer, write_tiny_gguf
+from fixtures_models import (
+    CHAT_TEMPLATE,
+    llama_cpp_permute,
+    random_weights,
+    spm_vocab,
+    tiny_config,
+    tiny_tokenizer,
+    write_tiny_gguf,
+)
 from mlx_dq.sources import build_model, resolve
 
 TEXT = "the quick brown fox said hello to the lazy dog, 12 times"
@@ -148,6 +156,23 @@ def test_gguf_tokenizer_rebuilt_from_metadata(tmp_path):
     assert tok.chat_template == CHAT_TEMPLATE
     src.save_tokenizer(tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_gemma3_sentencepiece_tokenizer(tmp_path):
+    vocab = spm_vocab()
+    config = tiny_config("gemma3_text", 6, vocab_size=len(vocab["tokens"]))
+    path = tmp_path / "gemma_spm.gguf"
+    write_tiny_gguf(path, config, random_weights(config), vocab=vocab)
+    src = resolve(str(path))
+    tok = src.tokenizer()
+    idx = {t: i for i, t in enumerate(vocab["tokens"])}
+    # SentencePiece BPE by piece rank: h e l l o -> h e ll o -> h e llo -> he llo; BOS first (llama.cpp's default).
+    assert tok.encode("hello world") == [idx["<bos>"], idx["he"], idx["llo"], idx["\u2581world"]]
+    # Characters outside the pieces fall back to byte tokens.
+    assert tok.encode("hello, world!")[3] == idx["<0x2C>"]
+    assert tok.decode(tok.encode("hello, world!"), skip_special_tokens=True) == "hello, world!"
+    assert tok.encode("<end_of_turn>")[-1] == idx["<end_of_turn>"]
+    assert tok.eos_token_ids == {idx["<eos>"]}
 
 
 def test_gguf_reads_only_requested_tensors(tmp_path, monkeypatch):
