@@ -93,20 +93,25 @@ class GGUFFile:
                 f"GGUF architecture {self.arch!r} in {self.path} is not supported; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHS))}"
             )
+        if int(self.meta("split.count", 1)) > 1:
+            raise ValueError(f"{self.path} is one part of a split GGUF; merge the parts first (llama-gguf-split --merge)")
 
     def meta(self, key: str, default: Any = None) -> Any:
         """One metadata value (scalars, strings and arrays as Python values), or ``default``."""
         field = self.reader.fields.get(key)
         return default if field is None else field.contents()
 
-    def _arch_meta(self, key: str, default: Any = None) -> Any:
-        return self.meta(f"{self.arch}.{key}", default)
+    def _arch_meta(self, key: str, default: Any = None, required: bool = False) -> Any:
+        value = self.meta(f"{self.arch}.{key}", default)
+        if required and value is None:
+            raise ValueError(f"{self.path} lacks the metadata key {self.arch}.{key}")
+        return value
 
     @cached_property
     def tensors(self) -> dict[str, Any]:
         """HF tensor name -> ``gguf.ReaderTensor`` (no data read)."""
         names = SUPPORTED_ARCHS[self.arch][2]
-        n_layers = int(self._arch_meta("block_count"))
+        n_layers = int(self._arch_meta("block_count", required=True))
         to_hf: dict[str, str] = {}
         for kind, hf in names.items():
             base = gguf.TENSOR_NAMES[kind]
@@ -148,10 +153,10 @@ class GGUFFile:
         """An mlx-lm/HF-style config.json dict built from the GGUF metadata."""
         model_type, hf_arch, _ = SUPPORTED_ARCHS[self.arch]
         m = self._arch_meta
-        n_heads = int(m("attention.head_count"))
+        n_heads = int(m("attention.head_count", required=True))
         n_kv = m("attention.head_count_kv", n_heads)
-        hidden = int(m("embedding_length"))
-        n_layers = int(m("block_count"))
+        hidden = int(m("embedding_length", required=True))
+        n_layers = int(m("block_count", required=True))
         vocab = int(m("vocab_size", 0))
         if "model.embed_tokens.weight" in self.tensors:
             vocab = self.shape("model.embed_tokens.weight")[0]
@@ -160,7 +165,7 @@ class GGUFFile:
             "architectures": [hf_arch],
             "hidden_size": hidden,
             "num_hidden_layers": n_layers,
-            "intermediate_size": int(m("feed_forward_length")),
+            "intermediate_size": int(m("feed_forward_length", required=True)),
             "num_attention_heads": n_heads,
             "num_key_value_heads": int(n_kv if not isinstance(n_kv, list) else n_kv[0]),
             "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),

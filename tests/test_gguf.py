@@ -192,17 +192,25 @@ def test_gguf_reads_only_requested_tensors(tmp_path, monkeypatch):
     assert all(n.startswith("model.layers.2.") for n in layer)
 
 
-def test_unsupported_gguf_architecture(tmp_path):
-    path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
+def _bare_gguf(path, arch: str):
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unsupported_gguf_architecture(tmp_path):
     with pytest.raises(ValueError, match="'gpt2'"):
-        resolve(str(path))
+        resolve(str(_bare_gguf(tmp_path / "gpt2.gguf", "gpt2")))
+
+
+def test_gguf_missing_metadata(tmp_path):
+    with pytest.raises(ValueError, match=r"lacks the metadata key llama\.attention\.head_count"):
+        resolve(str(_bare_gguf(tmp_path / "bare.gguf", "llama")))
 
 
 def test_corrupt_gguf(tmp_path):
