@@ -238,6 +238,10 @@ def test_clip_search_never_increases_its_error(bits: int) -> None:
     b_plain = _block_error(w, plain, gram, 64)
     b_clip = _block_error(w, weighted.dequantize(), gram, 64)
     assert b_clip <= b_plain * (1 + 1e-6)
+    diag = np.diag(np.array(gram))
+    d_plain = float((diag * (np.array(plain) - np.array(w)) ** 2).sum())
+    d_clip_w = quantize_weight(w, opt, gram=gram, clip_metric="diag").dequantize()
+    assert float((diag * (np.array(d_clip_w) - np.array(w)) ** 2).sum()) <= d_plain * (1 + 1e-6)
     if bits <= 3:  # heavy tails: shrinking the range must pay off
         assert e_clip < 0.95 * e_plain and b_clip < 0.95 * b_plain
         assert 0.0 < weighted.stats["clipped_fraction"] < 0.5
