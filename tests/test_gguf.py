@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import generate
+from mlx_lm.utils import load_tokenizer
 
 from fixtures_models import (
     CHAT_TEMPLATE,
@@ -155,7 +156,9 @@ def test_gguf_tokenizer_rebuilt_from_metadata(tmp_path):
     assert tok.apply_chat_template(messages, tokenize=False) == ref.apply_chat_template(messages, tokenize=False)
     assert tok.chat_template == CHAT_TEMPLATE
     src.save_tokenizer(tmp_path / "out")
-    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    saved = load_tokenizer(tmp_path / "out")
+    assert saved.encode(TEXT) == ref.encode(TEXT)
+    assert saved.apply_chat_template(messages, tokenize=False) == ref.apply_chat_template(messages, tokenize=False)
 
 
 def test_gemma3_sentencepiece_tokenizer(tmp_path):
