@@ -63,7 +63,7 @@ def bench_shape(in_f: int, out_f: int, batch: int, repeats: int) -> dict:
     first_call = time.perf_counter() - t0
 
     fp = nn.Linear(in_f, out_f, bias=False)
-    fp.weight = mixed.dequantize()
+    fp.weight = mx.contiguous(mixed.dequantize())
     wcat = mx.concatenate(
         [mx.dequantize(p, s.astype(mx.float32), b.astype(mx.float32), group_size=g, bits=nb)
          for (p, s, b), nb, g in zip(mixed.parts, mixed.seg_bits, mixed.seg_group_sizes)], axis=-1)
