@@ -91,10 +91,36 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
     click.echo(f"perplexity: {ppl:.4f}")
 
 
-@main.command(context_settings=PENDING)
-def measure() -> None:
-    """Measure every tensor's error under each quantization option (not available yet)."""
-    _not_available("measure")
+@main.command(context_settings=CONTEXT)
+@click.option("--model", "model_spec", default="smollm2-135m", show_default=True,
+              help="HF folder, hub id, .gguf file or smollm2-135m.")
+@click.option("--calib", type=click.Path(), default=None,
+              help="Calibration .txt/.jsonl file or folder [default: the bundled calibration text].")
+@click.option("--rows", default=16, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
+@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for choosing the rows.")
+@click.option("--grid", default=None, help="Option grid: a built-in name (default, fast) or a JSON file.")
+@click.option("--importance", type=click.Choice(["residual", "kl", "none"]), default="residual", show_default=True,
+              help="How errors are made comparable across tensors (kl needs the whole model in memory).")
+@click.option("--clip/--no-clip", default=True, show_default=True, help="Measure with the per-group clip search.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Measurement JSON to write.")
+@click.option("--no-resume", is_flag=True, help="Start over even if OUTPUT holds an unfinished measurement.")
+def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: int, grid: str | None,
+            importance: str, clip: bool, output: str, no_resume: bool) -> None:
+    """Measure every tensor's error under each quantization option, one decoder layer at a time."""
+    from mlx_dq.measure import measure as run_measure
+
+    t0 = time.perf_counter()
+    try:
+        m = run_measure(model_spec, calib=calib, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
+                        out_path=output, resume=not no_resume, importance=importance, clip=clip)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    n_opts = sum(len(t.options) for t in m.tensors.values())
+    click.echo(f"measured {len(m.tensors)} tensors x options = {n_opts} in {time.perf_counter() - t0:.1f} s "
+               f"({rows} rows x {seq_len} tokens)")
+    click.echo(f"base perplexity on the calibration rows: {m.base_perplexity:.4f}")
+    click.echo(f"wrote {output}")
 
 
 @main.command(context_settings=CONTEXT)

@@ -53,7 +53,7 @@ from .measurement import Measurement, TensorRecord, load_measurement, save_measu
 from .options import QuantOption
 from .quant import output_error, quantize_weight, weight_error
 
-DEFAULT_ROWS = 32
+DEFAULT_ROWS = 16
 DEFAULT_SEQ_LEN = 512
 DEFAULT_BATCH = 4
 DEFAULT_IMPORTANCE_ROWS = 4
