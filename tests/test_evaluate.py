@@ -173,24 +173,38 @@ def quantized_folder(tiny_llama, tmp_path_factory):
     return out
 
 
-def test_eval_cli_reports_and_writes_the_manifest(quantized_folder, tiny_llama):
-    import json
-
+def test_eval_cli_on_an_mlx_lm_folder(quantized_folder, tiny_llama):
     from click.testing import CliRunner
 
     from mlx_dq.cli import main
 
-    manifest = {"provenance": {"source": {"spec": str(tiny_llama)}, "quantization_seconds": 1.5}}
-    (quantized_folder / "mlx_dq.json").write_text(json.dumps(manifest))
-    res = CliRunner().invoke(main, ["eval", str(quantized_folder), "--rows", "2", "--seq-len", "16", "--no-speed"])
+    args = ["eval", str(quantized_folder), "--base", str(tiny_llama), "--rows", "2", "--seq-len", "16", "--no-speed"]
+    res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     assert "dequantized float32 weights" in res.output
     assert "KL divergence" in res.output and "bits per weight: 4.5000" in res.output
-    block = json.loads((quantized_folder / "mlx_dq.json").read_text())["results"]
-    assert block["bits_per_weight"] == pytest.approx(4.5)
+    assert not (quantized_folder / "mlx_dq.json").exists()
+
+
+def test_eval_cli_writes_results_into_the_manifest(tiny_llama, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    conv = pytest.importorskip("mlx_dq.convert")
+    from mlx_dq.cli import main
+
+    out = tmp_path / "dq"
+    conv.convert(str(tiny_llama), out, bpw=4.0, rows=2, seq_len=16, progress=False)
+    res = CliRunner().invoke(main, ["eval", str(out), "--rows", "2", "--seq-len", "16", "--no-speed"])
+    assert res.exit_code == 0, res.output
+    assert f"base: {tiny_llama}" in res.output  # found through the manifest's provenance
+    manifest = json.loads((out / "mlx_dq.json").read_text())
+    block = manifest["results"]
     assert block["kl_divergence"] > 0 and 0 < block["top1_agreement"] <= 1
-    assert block["quantization_seconds"] == 1.5
-    assert block["model_size_bytes"] == sum(f.stat().st_size for f in quantized_folder.glob("*.safetensors"))
+    assert block["perplexity"] > 1 and block["base_perplexity"] > 1
+    assert block["quantization_seconds"] == manifest["provenance"]["quantization_seconds"]
+    assert block["model_size_bytes"] == sum(f.stat().st_size for f in out.glob("*.safetensors"))
     assert block["original_size_bytes"] > block["model_size_bytes"]
     assert block["evaluation"]["rows"] == 2 and block["evaluation"]["base"] == str(tiny_llama)
 
