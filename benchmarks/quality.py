@@ -121,7 +121,7 @@ def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
     path.write_text("\n".join(lines))
 
 
-def write_plot(path: Path, rows: list[dict], base_ppl: float) -> None:
+def write_plot(path: Path, rows: list[dict], base_ppl: float, title: str) -> None:
     """KL divergence (log scale) and perplexity against bits per weight, mlx-lm methods vs mlx-dq."""
     import matplotlib
 
@@ -164,7 +164,7 @@ def write_plot(path: Path, rows: list[dict], base_ppl: float) -> None:
         ax.set_xlabel("bits per weight (scales and biases counted)")
         ax.grid(True, which="both", alpha=0.3)
     ax_ppl.legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M (source: Q4_1 GGUF): mlx-dq vs mlx-lm quantization")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -278,9 +278,12 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, cali
 @click.option("--only", type=click.Choice(["all", "mlx-lm", "mlx-dq"]), default="all", show_default=True)
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Keep rows already in the CSV for the same evaluation settings.")
+@click.option("--merge", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Also take rows from another run's quality.csv (same evaluation settings); repeatable.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True)
 def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_rows: int, calib_seq_len: int,
-         targets: str, dq_methods: str, head_option: str, only: str, resume: bool, out_dir: Path) -> None:
+         targets: str, dq_methods: str, head_option: str, only: str, resume: bool,
+         merge: tuple[str, ...], out_dir: Path) -> None:
     """Build and evaluate every mlx-lm method and mlx-dq on the same evaluation rows; write CSV, markdown, PNG."""
     t_start = time.perf_counter()
     try:
@@ -297,18 +300,28 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
     key = _settings_key(info)
     csv_path = out_dir / "quality.csv"
     done = _read_existing(csv_path, key) if resume else {}
+    for other in merge:
+        extra = _read_existing(Path(other), key)
+        if not extra:
+            raise click.BadParameter(f"{other} holds no results for these evaluation settings", param_hint="--merge")
+        done.update({k: v for k, v in extra.items() if k not in done})
     results: list[dict] = list(done.values())
+    ref_state: dict = {}
 
-    print(f"reference: {spec} in float32 on {rows} x {seq_len} evaluation tokens", flush=True)
-    t0 = time.perf_counter()
-    ref = evaluate.reference(model, eval_rows, batch_size)
-    src_ppl = ref.perplexity
-    if "source (float32)" not in done:
+    def ref() -> evaluate.Reference:
+        if "ref" not in ref_state:
+            print(f"reference: {spec} in float32 on {rows} x {seq_len} evaluation tokens", flush=True)
+            ref_state["ref"] = evaluate.reference(model, eval_rows, batch_size)
+        return ref_state["ref"]
+
+    if "source (float32)" in done:
+        src_ppl = float(done["source (float32)"]["perplexity"])
+    else:
+        src_ppl = ref().perplexity
         results.append({"family": "source", "method": "source (float32)", "bpw": 16.0, "kl": 0.0, "kl_max": 0.0,
                         "top1": 1.0, "perplexity": src_ppl,
                         "size_mb": evaluate.stored_bytes(model) / 1e6, "build_s": 0.0,
-                        "eval_s": time.perf_counter() - t0,
-                        "notes": "dequantized Q4_1 GGUF, counted as 16-bit"})
+                        "eval_s": ref().seconds, "notes": "dequantized Q4_1 GGUF, counted as 16-bit"})
     (csv_path.with_suffix(".settings.json")).write_text(key)
     _write_csv(csv_path, results)
 
@@ -331,7 +344,7 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
                     print(f"NOTE: {v.name} skipped: {type(e).__name__}: {e}", flush=True)
                     continue
                 t1 = time.perf_counter()
-                r = evaluate.evaluate_model(q, eval_rows, base=ref, batch_size=batch_size)
+                r = evaluate.evaluate_model(q, eval_rows, base=ref(), batch_size=batch_size)
                 row = {"family": v.family, "method": v.name, "bpw": r["bits_per_weight"], "kl": r["kl"],
                        "kl_max": r["kl_max"], "top1": r["top1"], "perplexity": r["perplexity"],
                        "size_mb": r["size_bytes"] / 1e6, "build_s": t1 - t0,
@@ -372,7 +385,7 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
         ],
     )
     write_markdown(out_dir / "quality.md", results, info)
-    write_plot(out_dir / "quality.png", results, src_ppl)
+    write_plot(out_dir / "quality.png", results, src_ppl, f"{spec}: mlx-dq vs mlx-lm quantization")
     print(f"wrote {csv_path}, quality.md, quality.png in {info['wall_min']:.1f} min", flush=True)
 
 
