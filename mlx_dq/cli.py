@@ -9,13 +9,6 @@ import click
 import mlx.core as mx
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
-PENDING = {**CONTEXT, "ignore_unknown_options": True, "allow_extra_args": True}
-
-
-def _not_available(name: str) -> None:
-    """Say on stderr that a command is not available yet and exit with code 2."""
-    click.echo(f"mlx_dq {name}: not available yet in this version of mlx-dq.", err=True)
-    raise SystemExit(2)
 
 
 def _parameter_count(config: dict[str, Any]) -> int | None:

@@ -1,4 +1,4 @@
-"""The mlx_dq command line: help everywhere, honest placeholders, info and perplexity on tiny models."""
+"""The mlx_dq command line: help everywhere, info and perplexity on tiny models, perplexity itself."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from mlx_dq import evaluate
 from mlx_dq.cli import main
 
 COMMANDS = ["info", "perplexity", "measure", "optimize", "convert", "inspect", "eval"]
-# commands whose help still says they are placeholders; each one must behave as one
-PENDING = sorted(n for n, c in main.commands.items() if "not available yet" in (c.help or ""))
 
 
 def run(*args: str):
@@ -45,15 +43,6 @@ def test_every_command_has_help(name, flag):
     result = run(name, flag)
     assert result.exit_code == 0
     assert result.stdout.startswith(f"Usage: mlx_dq {name}")
-
-
-@pytest.mark.parametrize("name", PENDING)
-@pytest.mark.parametrize("extra", [[], ["--model", "smollm2-135m", "--bpw", "3.5", "-o", "out"]])
-def test_pending_commands_say_so_and_exit_2(name, extra):
-    result = run(name, *extra)
-    assert result.exit_code == 2
-    assert "not available yet" in result.stderr
-    assert result.stdout == ""
 
 
 def test_python_dash_m_runs_the_cli():
@@ -148,17 +137,3 @@ def test_perplexity_of_the_bundled_model(bundled_gguf):
     # a working 135M model on English documentation: far below the uniform 49152, above 1
     assert 2.0 < perplexity_in(result.stdout) < 60.0
 
-
-def test_placeholder_helper_exits_2_with_a_message_on_stderr():
-    import click
-
-    from mlx_dq.cli import _not_available
-
-    @click.command()
-    def later() -> None:
-        _not_available("later")
-
-    result = CliRunner().invoke(later, [])
-    assert result.exit_code == 2
-    assert "mlx_dq later: not available yet" in result.stderr
-    assert result.stdout == ""
