@@ -95,7 +95,8 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
 @click.option("--grid", default=None, help="Option grid: a built-in name (default, fast) or a JSON file.")
 @click.option("--importance", type=click.Choice(["residual", "kl", "none"]), default="residual", show_default=True,
               help="How errors are made comparable across tensors (kl needs the whole model in memory).")
-@click.option("--clip/--no-clip", default=True, show_default=True, help="Measure with the per-group clip search.")
+@click.option("--clip/--no-clip", default=False, show_default=True,
+              help="Measure with the per-group clip search (lower errors, about 5x slower).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Measurement JSON to write.")
 @click.option("--no-resume", is_flag=True, help="Start over even if OUTPUT holds an unfinished measurement.")
 def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: int, grid: str | None,
