@@ -99,8 +99,10 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
               help="Measure with the per-group clip search (lower errors, about 5x slower).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Measurement JSON to write.")
 @click.option("--no-resume", is_flag=True, help="Start over even if OUTPUT holds an unfinished measurement.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
+              help="Also write the measurement's figures (PNG) into this folder.")
 def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: int, grid: str | None,
-            importance: str, clip: bool, output: str, no_resume: bool) -> None:
+            importance: str, clip: bool, output: str, no_resume: bool, plot_dir: str | None) -> None:
     """Measure every tensor's error under each quantization option, one decoder layer at a time."""
     from mlx_dq.measure import measure as run_measure
 
@@ -115,6 +117,49 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
                f"({rows} rows x {seq_len} tokens)")
     click.echo(f"base perplexity on the calibration rows: {m.base_perplexity:.4f}")
     click.echo(f"wrote {output}")
+    if plot_dir:
+        _write_plots(m, plot_dir, (2.5, 3.5, 4.5), 4.0, None)
+
+
+def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: float | str,
+                 quality: str | None) -> None:
+    """Write a measurement's figures as PNGs into ``out_dir`` and list them."""
+    from mlx_dq import plots
+
+    try:
+        paths = plots.save_figures(m, out_dir, targets=targets, heatmap_at=heatmap_at, quality_csv=quality)
+    except ValueError as e:
+        raise click.ClickException(f"plotting failed: {e}") from None
+    for path in paths:
+        click.echo(f"wrote {path}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("measurement", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Folder for the PNG figures.")
+@click.option("--targets", default="2.5,3.5,4.5", show_default=True,
+              help="Comma-separated bits-per-weight targets for the optimizer's bit maps.")
+@click.option("--heatmap-at", default="4.0", show_default=True,
+              help="Error heat map at this bpw (nearest option per tensor) or at an option such as 1.0:4b_64g.")
+@click.option("--quality", type=click.Path(dir_okay=False), default=None,
+              help="Quality benchmark CSV (benchmarks/results/quality.csv) for the KL-vs-bpw figure.")
+def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: str | None) -> None:
+    """Draw MEASUREMENT's figures as PNGs: error vs bpw, error heat map, bit maps, and KL vs bpw from --quality."""
+    from mlx_dq.measurement import load_measurement
+
+    try:
+        bpws = tuple(float(t) for t in targets.split(",") if t.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {targets!r}", param_hint="--targets") from None
+    try:
+        at: float | str = float(heatmap_at)
+    except ValueError:
+        at = heatmap_at
+    try:
+        m = load_measurement(measurement)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    _write_plots(m, output, bpws, at, quality)
 
 
 @main.command(context_settings=CONTEXT)
