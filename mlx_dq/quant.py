@@ -15,6 +15,7 @@ Building blocks, reusable by error-compensating quantizers:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,7 +27,10 @@ import numpy as np
 from .options import QuantOption, perm_bits
 
 DEFAULT_CLIP_FACTORS: tuple[float, ...] = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+# 2-bit groups gain from shrinking further (measured on SmolLM2 layers: benchmarks/error_table.py)
+LOW_BIT_CLIP_FACTORS: tuple[float, ...] = DEFAULT_CLIP_FACTORS + (0.65, 0.6, 0.55, 0.5)
 CLIP_METRICS = ("block", "diag")
+CLIP_RULES = ("edge", "minmax")  # MLX's edge-exact scale, plain min/max scale
 _EPS = 1e-7  # MLX's lower bound on a group's scale
 
 
@@ -270,8 +274,13 @@ def clip_search(
     metric: str = "block",
     factors: Sequence[float] = DEFAULT_CLIP_FACTORS,
     dtype: mx.Dtype = mx.float16,
+    rules: Sequence[str] = CLIP_RULES,
 ) -> ClipResult:
     """Per group, pick the shrunken range ``[f*min, f*max]`` (towards zero) with the least error.
+
+    Each range is tried with MLX's edge-exact scale (``"edge"``) and with plain
+    min/max levels (``"minmax"``, which can reproduce an existing min/max
+    quantization grid exactly).
 
     ``w`` ``[B, R, G, g]`` holds the values to quantize (already in ``dtype``),
     ``target`` the values the error is measured against (default ``w``),
@@ -292,10 +301,13 @@ def clip_search(
     best_err, best_f = base_err, mx.zeros_like(base_err)
     best_lo, best_hi = wmin, wmax
     mx.eval(base_err, best_s, best_b)
-    for f in factors:
+    for f, rule in itertools.product(factors, rules):
         lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
         hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
-        s, b = affine_params(lo, hi, bits)
+        if rule == "edge":
+            s, b = affine_params(lo, hi, bits)
+        else:  # plain min/max: the levels span exactly [lo, hi]
+            s, b = mx.maximum((hi - lo) / n_bins, _EPS), lo
         s, b = s.astype(dtype), b.astype(dtype)
         sf = s.astype(mx.float32)
         err = err_fn(w, target, sf, b.astype(mx.float32), sf, *extra)
@@ -362,6 +374,11 @@ def act_order(in_features: int, gram: mx.array | None) -> np.ndarray:
     return np.argsort(-energy, kind="stable")
 
 
+def default_clip_factors(bits: int) -> tuple[float, ...]:
+    """Range-shrink factors the clip search tries by default for ``bits``-bit groups."""
+    return LOW_BIT_CLIP_FACTORS if bits <= 2 else DEFAULT_CLIP_FACTORS
+
+
 def permute_inputs(
     w: mx.array, gram: mx.array | None, option: QuantOption
 ) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
@@ -395,7 +412,7 @@ def quantize_weight(
     clip: bool = True,
     scale_dtype: mx.Dtype = mx.float16,
     *,
-    clip_factors: Sequence[float] = DEFAULT_CLIP_FACTORS,
+    clip_factors: Sequence[float] | None = None,
     clip_metric: str = "block",
 ) -> QuantizedTensor:
     """Quantize ``w`` (``[out, in]`` or expert bank ``[E, out, in]``) with ``option``.
@@ -403,8 +420,9 @@ def quantize_weight(
     Mixed options sort input channels by ``gram`` (``X^T X``, ``[in, in]`` or
     ``[E, in, in]``) energy first. Each segment is MLX affine quantization; with
     ``clip`` a per-group range search lowers the output error (weight error
-    without ``gram``). Without ``clip`` every part equals ``mx.quantize`` of the
-    weight cast to ``scale_dtype``.
+    without ``gram``); ``clip_factors`` defaults to :data:`DEFAULT_CLIP_FACTORS`
+    (:data:`LOW_BIT_CLIP_FACTORS` for 2-bit segments). Without ``clip`` every
+    part equals ``mx.quantize`` of the weight cast to ``scale_dtype``.
     """
     shape = tuple(int(d) for d in w.shape)
     if option.keep16:
@@ -436,7 +454,7 @@ def quantize_weight(
                 target=target.reshape(b, r, ng, seg.group_size),
                 weight=weight,
                 metric=clip_metric,
-                factors=clip_factors,
+                factors=clip_factors if clip_factors is not None else default_clip_factors(seg.bits),
                 dtype=scale_dtype,
             )
             part = pack_part(res.codes.reshape(b, r, k), res.scales, res.biases, seg.bits)

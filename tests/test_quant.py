@@ -329,3 +329,16 @@ def test_affine_codes_round_against_given_scales() -> None:
     q = np.array(affine_codes(w, scales, biases, 4))
     expect = np.clip(np.rint((np.array(w) + 0.05) / np.float32(np.float16(0.01))), 0, 15)
     assert np.array_equal(q, expect)
+
+
+def test_clip_search_reproduces_an_existing_min_max_grid() -> None:
+    """Weights already on a 4-bit min/max grid (as in Q4_1 GGUF files) come back exactly."""
+    rng = np.random.default_rng(8)
+    q = rng.integers(0, 16, size=(16, 8, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d = rng.uniform(0.001, 0.01, size=(16, 8, 1)).astype(np.float16).astype(np.float32)
+    m = -rng.uniform(0.0, 0.1, size=(16, 8, 1)).astype(np.float16).astype(np.float32)
+    w = mx.array((m + d * q).reshape(16, 256).astype(np.float16).astype(np.float32))
+    plain = weight_error(w, quantize_weight(w, QuantOption.uniform(4, 32), clip=False).dequantize())
+    searched = weight_error(w, quantize_weight(w, QuantOption.uniform(4, 32)).dequantize())
+    assert plain > 1e-2 and searched < 0.02 * plain  # exact up to fp16 rounding of the grid itself
