@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from fixtures_models import make_tiny_model_folder
+from fixtures_models import make_tiny_model_folder, random_weights, save_tokenizer, tiny_tokenizer
 from mlx_dq import calib
 from mlx_dq.evaluate import perplexity
 from mlx_dq.measure import measure, measure_module, strip_timing
@@ -60,8 +60,8 @@ class _Recorder(nn.Module):
 
 
 def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, name = path.rsplit(".", 1)
-    parent = dict(model.named_modules())[parent_path]
+    parent_path, _, name = path.rpartition(".")
+    parent = dict(model.named_modules())[parent_path] if parent_path else model
     setattr(parent, name, new)
 
 
@@ -102,7 +102,7 @@ def _tokens(folder: Path, rows: int, seq_len: int, seed: int = 0) -> mx.array:
 def test_gram_errors_match_direct_errors(folders, grid_file, family):
     folder = folders[family]
     m = _run(folder, grid_file)
-    keys = [k for k in m.tensors if ".layers." in k]
+    keys = [k for k in m.tensors if ".layers." in k or k == "lm_head"]
     assert len(keys) >= 7 * 2
     for desc in ("1.0:3b_64g", "1.0:2b_64g"):
         direct = _direct_errors(folder, _tokens(folder, 4, 48), keys, desc)
@@ -113,6 +113,37 @@ def test_gram_errors_match_direct_errors(folders, grid_file, family):
 def test_streamed_perplexity_equals_full_model(folders, grid_file):
     folder = folders["llama"]
     m = _run(folder, grid_file, importance="none")
+    model = resolve(str(folder)).model(mx.float32)
+    assert m.base_perplexity == pytest.approx(perplexity(model, _tokens(folder, 4, 48)), rel=1e-4)
+
+
+def _tied_folder(tmp: Path, model_type: str, **extra) -> Path:
+    """A tiny tied-embedding model of a family the shared fixtures do not build (qwen3, gemma3_text)."""
+    tok = tiny_tokenizer()
+    cfg = dict(model_type=model_type, hidden_size=128, num_hidden_layers=3, intermediate_size=256,
+               num_attention_heads=4, head_dim=32, num_key_value_heads=2, vocab_size=320, rms_norm_eps=1e-6,
+               rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **extra)
+    folder = tmp / model_type
+    folder.mkdir()
+    weights = random_weights(cfg)
+    weights.pop("lm_head.weight", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    save_tokenizer(folder)
+    return folder
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("qwen3", {}),
+    # sliding windows shorter than the rows, so the layers get explicit window masks; scaled embeddings
+    ("gemma3_text", {"sliding_window": 16, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32}),
+])
+def test_other_families_stream_like_the_full_model(tmp_path, grid_file, model_type, extra):
+    folder = _tied_folder(tmp_path, model_type, **extra)
+    m = _run(folder, grid_file, importance="none")
+    assert len([k for k in m.tensors if ".layers." in k]) == 3 * 7
+    assert "lm_head" not in m.tensors and m.tensors["model.embed_tokens"].extra.get("tied_head")
     model = resolve(str(folder)).model(mx.float32)
     assert m.base_perplexity == pytest.approx(perplexity(model, _tokens(folder, 4, 48)), rel=1e-4)
 
