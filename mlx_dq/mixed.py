@@ -293,6 +293,24 @@ def mixed_layer_from_quantized(module: nn.Module, qt: QuantizedTensor, prefer_st
     raise ValueError(f"no mixed layer for module type {type(module).__name__} (Linear, Embedding, SwitchLinear)")
 
 
+def empty_mixed_layer(module: nn.Module, option: QuantOption | str, scale_dtype: mx.Dtype = mx.float16) -> nn.Module:
+    """A placeholder mixed layer shaped for ``module`` (Linear, Embedding or SwitchLinear) and ``option``.
+
+    For loaders: build it in place of the original module, then ``load_weights``
+    fills its ``weight_{i}`` / ``scales_{i}`` / ``biases_{i}`` / ``perm`` / ``bias``.
+    """
+    if isinstance(module, nn.Linear):
+        out_f, in_f = module.weight.shape
+        return MixedLinear(in_f, out_f, option, bias="bias" in module, scale_dtype=scale_dtype)
+    if isinstance(module, nn.Embedding):
+        num, dims = module.weight.shape
+        return MixedEmbedding(num, dims, option, scale_dtype=scale_dtype)
+    if isinstance(module, SwitchLinear):
+        e, out_f, in_f = module.weight.shape
+        return MixedSwitchLinear(in_f, out_f, e, option, bias="bias" in module, scale_dtype=scale_dtype)
+    raise ValueError(f"no mixed layer for module type {type(module).__name__} (Linear, Embedding, SwitchLinear)")
+
+
 def _set_stock(layer: nn.Module, qt: QuantizedTensor, bias: mx.array | None) -> None:
     layer.weight, layer.scales, layer.biases = qt.parts[0]
     if bias is not None:

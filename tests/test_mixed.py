@@ -10,7 +10,13 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 from test_kernels import np_dequant
 
 from mlx_dq import kernels
-from mlx_dq.mixed import MixedEmbedding, MixedLinear, MixedSwitchLinear, mixed_layer_from_quantized
+from mlx_dq.mixed import (
+    MixedEmbedding,
+    MixedLinear,
+    MixedSwitchLinear,
+    empty_mixed_layer,
+    mixed_layer_from_quantized,
+)
 from mlx_dq.options import QuantOption
 from mlx_dq.quant import quantize_weight
 
@@ -319,3 +325,23 @@ def test_metal_branch_dispatch_and_segment_matmuls_on_cpu(monkeypatch):
     idx = mx.array([[0, 2], [1, 1], [2, 0], [0, 0]])
     want = np.einsum("bk,bjok->bjo", np.array(x[:, 0, 0], dtype=np.float64), _np_weight(bank_qt)[np.array(idx)])
     assert _rel(bank(x, idx)[:, :, 0], want) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding", "switch"])
+def test_empty_mixed_layer_loads_saved_weights(kind, tmp_path):
+    """A placeholder built from the original module and the option description loads the saved layer."""
+    desc = "0.3:6b_32g/0.7:3b_64g"
+    if kind == "linear":
+        orig, shape = nn.Linear(128, 24, bias=True), (24, 128)
+    elif kind == "embedding":
+        orig, shape = nn.Embedding(24, 128), (24, 128)
+    else:
+        orig, shape = SwitchLinear(128, 24, 3, bias=True), (3, 24, 128)
+    layer = mixed_layer_from_quantized(orig, _quantized(shape, desc, seed=51))
+    layer.save_weights(str(tmp_path / "w.safetensors"))
+    empty = empty_mixed_layer(orig, layer.option_desc)
+    assert type(empty) is type(layer)
+    empty.load_weights(str(tmp_path / "w.safetensors"), strict=True)
+    assert mx.array_equal(empty.dequantize(), layer.dequantize()).item()
+    with pytest.raises(ValueError, match="Conv1d"):
+        empty_mixed_layer(nn.Conv1d(4, 4, 1), desc)
