@@ -487,7 +487,8 @@ def measure(
             keep = tuple(f"{prefix}{i}." for i in range(start_layer))
             m.tensors = {k: t for k, t in old.tensors.items() if k.startswith(keep)}
             m.last_module_idx = done
-            m.extra["timing"]["layers_s"] = list(old.extra.get("timing", {}).get("layers_s", []))[:start_layer]
+            m.extra["timing"] = {k: (v[:start_layer] if isinstance(v, list) else v)
+                                 for k, v in old.extra.get("timing", {}).items()}
 
     # embed (and record the layers' call arguments) with only the non-layer weights loaded
     _load_into(model, dict(source.other_weights()))
@@ -521,6 +522,7 @@ def measure(
                 mx.eval(y)
                 col.flush()
                 new_hidden.append(y)
+        t1 = time.perf_counter()
         records, refs = [], {}
         for path, mod in mods.items():
             role = role_of(path)
@@ -536,6 +538,7 @@ def measure(
                                                      clip=clip).dequantize(mx.float32)
                 refs[path] = kept[ref.desc]
                 rec.extra["importance_ref"] = ref.desc
+        t2 = time.perf_counter()
         if importance == "residual":
             imp = residual_importance(layer, hidden[:n_imp], calls[0][i], mods, refs, expert_mode)
             for rec in records:
@@ -548,7 +551,10 @@ def measure(
         for rec in records:
             m.tensors[rec.key] = rec
         m.last_module_idx = i
-        m.extra["timing"]["layers_s"].append(round(time.perf_counter() - t0, 3))
+        t3 = time.perf_counter()
+        m.extra["timing"]["layers_s"].append(round(t3 - t0, 3))
+        for name, dt in (("forward_s", t1 - t0), ("options_s", t2 - t1), ("importance_s", t3 - t2)):
+            m.extra["timing"].setdefault(name, []).append(round(dt, 3))
         if out is not None:
             save_measurement(m, out)
             _save_state(out, hidden, i, settings)
