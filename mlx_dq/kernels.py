@@ -37,13 +37,16 @@ What is and is not verified on a machine without Apple silicon:
   through the permutation, per-lane accumulation and the 32-lane reduction. A
   flipped code bit is detected (the comparison is not vacuous).
 * Verified: the generated source contains ``KERNEL_SOURCE`` with the expected
-  template arguments and buffer types; the Python side of the Metal branch
+  template arguments and buffer types; the launch uses the geometry the harness
+  emulates (grid (32, N, 1), 32-wide threadgroups); the Python side of the Metal branch
   (which path for how many rows, per-segment ``quantized_matmul``/``gather_qmm``
   with the permutation) runs against numpy on MLX's CPU implementations of those ops.
 * NOT verified here: that Apple's Metal compiler accepts the source; Metal-specific
   semantics (address spaces, which the harness erases; the hardware ``simd_sum``
   reduction order, emulated here as a lane-order sum; half/bfloat conversions on the
-  GPU); partial threadgroups at the grid edge; the Metal quantized matmuls
+  GPU); that a (32, 4, 1) threadgroup forms one simdgroup per grid row (the harness
+  assumes it; Metal numbers threads x-fastest); partial threadgroups at the grid
+  edge; the Metal quantized matmuls
   themselves; kernel compile time (one build per layer shape and option) and any
   speed. ``test_metal_kernel_matches_portable`` (tests/test_kernels.py) and
   ``test_metal_layers_match_dequantized_matmul`` (tests/test_mixed.py) run the real

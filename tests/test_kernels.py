@@ -354,3 +354,25 @@ def test_metal_kernel_matches_portable(i):
     seg = kernels.segmented_quantized_matmul(d["x"], d["perm"], d["parts"], case.bits, case.groups)
     err_seg = (mx.abs(seg.astype(mx.float32) - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-6)).item()
     assert err_seg <= TOL[case.x_dtype] * 4, f"{case.name}: segmented relative error {err_seg:.3g}"
+
+
+def test_launch_geometry_is_what_the_harness_emulates(monkeypatch):
+    """The kernel is launched as the harness runs it: grid (32, N, 1), 32-wide threadgroups, out (rows, N)."""
+    seen = {}
+
+    def record(**kwargs):
+        seen.update(kwargs)
+        return [mx.zeros(kwargs["output_shapes"][0], dtype=kwargs["output_dtypes"][0])]
+
+    monkeypatch.setattr(kernels, "_get_kernel", lambda: record)
+    case = next(c for c in CASES if c.name == "wide")
+    case.build()
+    d = case.data
+    x3 = d["x"].reshape(2, 4, -1)
+    y = kernels.fused_mixed_matmul(x3, d["perm"], d["parts"], case.bits, case.groups)
+    assert y.shape == (2, 4, case.n)
+    assert seen["grid"] == (kernels.SIMD_WIDTH, case.n, 1)
+    assert seen["threadgroup"][0] == kernels.SIMD_WIDTH and seen["threadgroup"][2] == 1
+    assert seen["output_shapes"] == [(case.rows, case.n)]
+    assert [n for n, _ in seen["template"]][:4] == ["T", "M", "N", "K"]
+    assert len(seen["inputs"]) == len(kernels.KERNEL_INPUTS)
