@@ -124,8 +124,10 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
 def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: float | str,
                  quality: str | None) -> None:
     """Write a measurement's figures as PNGs into ``out_dir`` and list them."""
-    from mlx_dq import plots
-
+    try:
+        from mlx_dq import plots
+    except ImportError as e:
+        raise click.ClickException(f"plotting needs matplotlib ({e}): pip install 'mlx-dq[notebook]'") from None
     try:
         paths = plots.save_figures(m, out_dir, targets=targets, heatmap_at=heatmap_at, quality_csv=quality)
     except ValueError as e:

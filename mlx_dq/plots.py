@@ -51,6 +51,7 @@ class Curve:
     bpw: np.ndarray
     err: np.ndarray
     options: tuple[tuple[str, ...], ...]
+    importance: float = 1.0
 
 
 def layer_and_kind(key: str) -> tuple[int | None, str]:
@@ -85,22 +86,23 @@ def sensitivity_curves(measurement: Measurement, frontier: bool = False) -> list
     """
     curves: list[Curve] = []
     grouped = measurement.grouped_keys()
-    units: list[tuple[str, str, list[tuple[float, float, tuple[str, ...]]]]] = []
+    units: list[tuple[str, str, float, list[tuple[float, float, tuple[str, ...]]]]] = []
     for t in measurement.tensors.values():
         if t.key not in grouped:
-            units.append((t.key, t.role, [(o.bpw, o.err, (o.desc,)) for o in t.options if o.err is not None]))
+            pts = [(o.bpw, o.err, (o.desc,)) for o in t.options if o.err is not None]
+            units.append((t.key, t.role, t.importance, pts))
     for g in measurement.groups.values():
         numel = sum(measurement.tensors[k].numel for k in g.members)
         pts = [(o.total_bits / numel, o.err, tuple(r.desc for r in o.members.values())) for o in g.options]
-        units.append((g.key, "module", pts))
-    for key, role, pts in units:
+        units.append((g.key, "module", g.importance, pts))
+    for key, role, importance, pts in units:
         if not pts:
             continue
         bpw = np.array([p[0] for p in pts], dtype=float)
         err = np.array([p[1] for p in pts], dtype=float)
         idx = _pareto(bpw, err) if frontier else np.lexsort((err, bpw))
         layer, kind = layer_and_kind(key)
-        curves.append(Curve(key, layer, kind, role, bpw[idx], err[idx], tuple(pts[i][2] for i in idx)))
+        curves.append(Curve(key, layer, kind, role, bpw[idx], err[idx], tuple(pts[i][2] for i in idx), importance))
     if not curves:
         raise ValueError("the measurement has no measured options to plot (it is empty or holds no errors)")
     return curves
@@ -231,6 +233,7 @@ def error_heatmap(
     option_or_bpw: float | str | QuantOption,
     *,
     ax: Axes | None = None,
+    damage: bool = False,
     cmap: str = "magma_r",
 ) -> Figure:
     """Heat map of measured error by layer x tensor kind at one option, on a log colour scale.
@@ -239,6 +242,8 @@ def error_heatmap(
     files whose options differ per tensor, such as ExLlamaV2's); a string or
     :class:`QuantOption` picks exactly that option. Where several tensors share a
     cell (experts) the worst error is shown. Embedding and head have no layer and are left out.
+    ``damage=True`` shows the optimizer's predicted damage ``importance * err**2`` instead,
+    which makes tensors of different layers comparable.
     """
     if isinstance(option_or_bpw, bool) or not isinstance(option_or_bpw, (int, float, str, QuantOption)):
         raise ValueError(f"expected a bits-per-weight number or an option, got {option_or_bpw!r}")
@@ -246,7 +251,8 @@ def error_heatmap(
     curves = [c for c in sensitivity_curves(measurement) if c.layer is not None]
     if not curves:
         raise ValueError("the measurement has no tensors inside numbered layers to place on a heat map")
-    cells = [(c.layer, c.kind, e) for c in curves if (e := _pick(c, target)) is not None]
+    cells = [(c.layer, c.kind, c.importance * e**2 if damage else e)
+             for c in curves if (e := _pick(c, target)) is not None]
     if not cells:
         seen = sorted({o for c in curves for opts in c.options for o in opts})
         raise ValueError(f"option {target.desc} was not measured for any tensor; measured options: "
@@ -258,8 +264,9 @@ def error_heatmap(
     fig, (a,) = _panels(ax, 1, 1, (max(4.0, 0.55 * len(kinds) + 2), max(3.0, 0.16 * len(layers) + 1.5)))
     image = _draw_matrix(a, np.where(mat > 0, mat, np.nan), layers, kinds, norm, cmap, annotate=False)
     what = f"option nearest {float(target):g} bpw" if isinstance(target, (int, float)) else f"option {target.desc}"
-    a.set_title(f"relative output error at the {what}", fontsize=10)
-    fig.colorbar(image, ax=a, label="relative output error (log)")
+    quantity = "predicted damage (importance x error²)" if damage else "relative output error"
+    a.set_title(f"{quantity} at the {what}", fontsize=10)
+    fig.colorbar(image, ax=a, label=f"{quantity} (log)")
     return fig
 
 

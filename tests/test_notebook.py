@@ -45,7 +45,7 @@ def _text(cell) -> str:
 
 def _check_figures(nb: nbformat.NotebookNode) -> None:
     figures = _tagged(nb, "figure")
-    assert len(figures) == 3
+    assert len(figures) == 4
     for cell in figures:
         assert _has_png(cell), f"no image from: {cell.source}"
     assert Path(_text(nb.cells[-1]).strip()).resolve() == Path(sys.executable).resolve()
@@ -56,7 +56,7 @@ def test_committed_notebook_has_no_outputs():
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.outputs == [] and c.execution_count is None for c in code)
-    assert len(_tagged(nb, "figure")) == 3 and len(_tagged(nb, "quality-figure")) == 1
+    assert len(_tagged(nb, "figure")) == 4 and len(_tagged(nb, "quality-figure")) == 1
 
 
 def test_notebook_on_a_generated_measurement(tmp_path, monkeypatch):

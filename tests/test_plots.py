@@ -153,6 +153,17 @@ def test_error_heatmap_at_option_and_at_bpw():
         assert len(fig.axes) == 2
 
 
+def test_error_heatmap_of_predicted_damage():
+    m = synthetic_measurement(layers=2)
+    for i in range(2):
+        for j, kind in enumerate(SHAPES):
+            m.tensor(f"model.layers.{i}.{kind}").importance = 1.0 + 10 * i + j
+    fig = plots.error_heatmap(m, "1.0:3b_64g", damage=True)
+    expected = [[(1.0 + 10 * i + j) * synthetic_error(i, k, 3) ** 2 for j, k in enumerate(SHAPES)] for i in range(2)]
+    np.testing.assert_allclose(_panels(fig)[0].images[0].get_array().filled(np.nan), expected)
+    assert "damage" in _panels(fig)[0].get_title()
+
+
 def test_error_heatmap_bad_input():
     m = synthetic_measurement()
     with pytest.raises(ValueError, match="1.0:5b_32g was not measured"):
