@@ -281,3 +281,13 @@ def test_plot_command_writes_pngs(tmp_path):
     assert res.exit_code != 0 and "--targets" in res.output
     res = CliRunner().invoke(main, ["plot", str(meas), "-o", str(tmp_path / "f3"), "--targets", "1.0"])
     assert res.exit_code != 0 and "1" in res.output
+
+
+def test_measure_command_writes_plots(tiny_llama, tmp_path):
+    out = tmp_path / "figs"
+    res = CliRunner().invoke(main, ["measure", "--model", str(tiny_llama), "--rows", "2", "--seq-len", "32",
+                                    "--grid", "fast", "--importance", "none", "-o", str(tmp_path / "m.json"),
+                                    "--plot", str(out)])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == ["bit_maps.png", "error_heatmap.png", "error_vs_bpw.png"]
+    assert f"wrote {out / 'bit_maps.png'}" in res.output
