@@ -116,6 +116,8 @@ def _cases() -> list[Case]:
     cases += [_random_mixed(rng, i) for i in range(10)]
     # more than 32 chunks per segment (lanes loop), boundary off 512, uint32 permutation
     cases.append(Case("wide", [5, 3], [32, 64], [1056, 1088], n=7, rows=8, perm_dtype=mx.uint32, seed=7))
+    cases.append(Case("wide2", [8, 4, 2], [128, 32, 64], [1280, 64, 1152], n=5, rows=2, x_dtype=mx.float16,
+                      scale_dtype=mx.bfloat16, seed=9))
     cases.append(Case("one_row", [6, 4, 2], [64, 32, 128], [192, 96, 256], n=1, rows=3, seed=8))
     return cases
 
