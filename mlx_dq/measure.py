@@ -54,7 +54,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
-from .capture import GramCollector, InputStats, is_expert_bank, iter_batches, quantizable_modules
+from .capture import GramCollector, InputStats, iter_batches, quantizable_modules
 from .measurement import Measurement, TensorRecord, load_measurement, save_measurement
 from .options import QuantOption
 from .quant import output_error, quantize_weight, weight_error
@@ -481,7 +481,8 @@ def measure(
         if old.extra.get("complete"):
             return old
         state = _load_state(out, settings)
-        if state is not None and state[1] <= (old.last_module_idx or -1):
+        done_idx = old.last_module_idx if old.last_module_idx is not None else -1
+        if state is not None and state[1] <= done_idx:
             hidden, done = state
             start_layer = done + 1
             keep = tuple(f"{prefix}{i}." for i in range(start_layer))
