@@ -427,6 +427,7 @@ def save_figures(
     figures = {
         "error_vs_bpw.png": lambda: error_vs_bpw(measurement),
         "error_heatmap.png": lambda: error_heatmap(measurement, heatmap_at),
+        "damage_heatmap.png": lambda: error_heatmap(measurement, heatmap_at, damage=True),
         "bit_maps.png": lambda: bit_maps(measurement, targets),
     }
     if quality_csv is not None and Path(quality_csv).is_file():

@@ -275,7 +275,8 @@ def test_plot_command_writes_pngs(tmp_path):
                                     str(quality)])
     assert res.exit_code == 0, res.output
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["bit_maps.png", "error_heatmap.png", "error_vs_bpw.png", "kl_vs_bpw.png"]
+    assert names == ["bit_maps.png", "damage_heatmap.png", "error_heatmap.png", "error_vs_bpw.png",
+                     "kl_vs_bpw.png"]
     assert all((out / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     res = CliRunner().invoke(main, ["plot", str(meas), "-o", str(tmp_path / "f2"), "--targets", "3,x"])
     assert res.exit_code != 0 and "--targets" in res.output
@@ -289,5 +290,6 @@ def test_measure_command_writes_plots(tiny_llama, tmp_path):
                                     "--grid", "fast", "--importance", "none", "-o", str(tmp_path / "m.json"),
                                     "--plot", str(out)])
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in out.iterdir()) == ["bit_maps.png", "error_heatmap.png", "error_vs_bpw.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["bit_maps.png", "damage_heatmap.png", "error_heatmap.png",
+                                                           "error_vs_bpw.png"]
     assert f"wrote {out / 'bit_maps.png'}" in res.output
