@@ -139,8 +139,8 @@ def _panels(ax: Axes | Sequence[Axes] | None, n: int, ncols: int, size: tuple[fl
     return axes[0].figure, axes
 
 
-def _grid_matrix(cells: Iterable[tuple[int, str, float]], reduce: str = "max") -> tuple[np.ndarray, list[int], list[str]]:
-    """A layers x kinds matrix (NaN where nothing was given) from (layer, kind, value) cells."""
+def _grid_matrix(cells: Iterable[tuple[int, str, float]]) -> tuple[np.ndarray, list[int], list[str]]:
+    """A layers x kinds matrix from (layer, kind, value) cells: NaN where none, the largest where several."""
     cells = list(cells)
     layers = sorted({c[0] for c in cells})
     kinds = _kinds((c[1], False) for c in cells)
@@ -148,9 +148,7 @@ def _grid_matrix(cells: Iterable[tuple[int, str, float]], reduce: str = "max") -
     li = {v: i for i, v in enumerate(layers)}
     ki = {v: i for i, v in enumerate(kinds)}
     for layer, kind, value in cells:
-        i, j = li[layer], ki[kind]
-        old = mat[i, j]
-        mat[i, j] = value if np.isnan(old) else (max(old, value) if reduce == "max" else value)
+        mat[li[layer], ki[kind]] = np.fmax(mat[li[layer], ki[kind]], value)
     return mat, layers, kinds
 
 
@@ -165,7 +163,8 @@ def _draw_matrix(ax: Axes, mat: np.ndarray, layers: list[int], kinds: list[str],
     if annotate and mat.size <= 160:
         for (i, j), v in np.ndenumerate(mat):
             if not np.isnan(v):
-                ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6, color="w")
+                ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=6,
+                        color="k" if norm(v) > 0.6 else "w")
     return image
 
 
@@ -257,7 +256,7 @@ def error_heatmap(
         seen = sorted({o for c in curves for opts in c.options for o in opts})
         raise ValueError(f"option {target.desc} was not measured for any tensor; measured options: "
                          f"{', '.join(seen[:12])}{' ...' if len(seen) > 12 else ''}")
-    mat, layers, kinds = _grid_matrix(cells, "max")
+    mat, layers, kinds = _grid_matrix(cells)
     positive = mat[np.isfinite(mat) & (mat > 0)]
     lo, hi = (positive.min(), positive.max()) if positive.size else (1e-6, 1.0)
     norm = LogNorm(lo, hi if hi > lo else lo * 10)
@@ -294,7 +293,7 @@ def bit_map(
     cells = _plan_cells(plan)
     if not cells:
         raise ValueError("the plan has no tensors inside numbered layers to draw")
-    mat, layers, kinds = _grid_matrix(cells, "max")
+    mat, layers, kinds = _grid_matrix(cells)
     norm = norm or Normalize(np.nanmin(mat), max(np.nanmax(mat), np.nanmin(mat) + 1e-6))
     fig, (a,) = _panels(ax, 1, 1, (max(3.5, 0.5 * len(kinds) + 1.5), max(3.0, 0.16 * len(layers) + 1.5)))
     image = _draw_matrix(a, mat, layers, kinds, norm, cmap, annotate=True)

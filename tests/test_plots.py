@@ -153,6 +153,17 @@ def test_error_heatmap_at_option_and_at_bpw():
         assert len(fig.axes) == 2
 
 
+def test_experts_share_a_panel_and_the_heat_map_shows_the_worst():
+    m = Measurement()
+    opt = QuantOption.parse("1.0:4b_64g")
+    for e, err in ((0, 0.1), (1, 0.3), (2, 0.2)):
+        m.add_tensor(f"model.layers.0.mlp.experts.{e}.gate_proj", (128, 128)).add_option(opt, err)
+    (panel,) = _panels(plots.error_vs_bpw(m))
+    assert panel.get_title() == "mlp.experts.*.gate_proj" and len(panel.lines) == 3
+    (heat,) = _panels(plots.error_heatmap(m, opt))
+    assert heat.images[0].get_array().filled(np.nan).tolist() == [[0.3]]
+
+
 def test_error_heatmap_of_predicted_damage():
     m = synthetic_measurement(layers=2)
     for i in range(2):
