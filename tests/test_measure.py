@@ -189,9 +189,13 @@ def test_resume_after_interruption_equals_uninterrupted(folders, grid_file, tmp_
 
 def test_deterministic_and_seed_changes_rows(folders, grid_file, tmp_path):
     folder = folders["qwen2"]
-    runs = [json.loads((_run(folder, grid_file, tmp_path / f"{i}.json", seed=s), (tmp_path / f"{i}.json").read_text())[1])
-            for i, s in enumerate((3, 3, 4))]
+    runs = []
+    for i, seed in enumerate((3, 3, 4)):
+        _run(folder, grid_file, tmp_path / f"{i}.json", seed=seed, clip=True, importance="none")
+        runs.append(json.loads((tmp_path / f"{i}.json").read_text()))
     assert strip_timing(runs[0]) == strip_timing(runs[1])
+    opt = runs[0]["measurement"][0]["options"][0]
+    assert set(opt["clip"]) == {"clipped_fraction", "clip_improvement"} and opt["clip"]["clip_improvement"] >= 0
     assert runs[0]["calibration"]["tokens_digest"] != runs[2]["calibration"]["tokens_digest"]
 
 
