@@ -102,16 +102,6 @@ def tensor_arrays(path: str, qt: QuantizedTensor, dtype: mx.Dtype) -> dict[str, 
     return out
 
 
-def _module_kind(mod: nn.Module) -> str:
-    from .capture import is_expert_bank
-
-    if is_expert_bank(mod):
-        return "switch"
-    if isinstance(mod, nn.Embedding):
-        return "embedding"
-    return "linear"
-
-
 # --------------------------------------------------------------------------
 # output folder
 # --------------------------------------------------------------------------
@@ -499,8 +489,7 @@ def convert(
             writer.add(arrays)
             opt = qt.option
             if opt.is_mixed:
-                mixed[path] = {"option": opt.desc, "shape": list(qt.shape), "kind": _module_kind(mod),
-                               "bias": "bias" in mod}
+                mixed[path] = {"option": opt.desc, "shape": list(qt.shape)}
             elif not opt.keep16:
                 seg = opt.segments[0]
                 qconf[path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from .mixed import MixedEmbedding, MixedLinear, MixedSwitchLinear
+from .mixed import empty_mixed_layer
 
 
 def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -31,18 +31,12 @@ def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def install_mixed_layers(model: nn.Module, mixed: dict[str, dict]) -> nn.Module:
-    """Swap the modules named in ``mixed`` (path -> {option, shape, kind, bias}) for empty mixed layers."""
+    """Swap the modules named in ``mixed`` (path -> {"option": desc, ...}) for empty mixed layers to load into."""
+    modules = dict(model.named_modules())
     for path, spec in mixed.items():
-        shape, kind, opt = spec["shape"], spec.get("kind", "linear"), spec["option"]
-        if kind == "linear":
-            new = MixedLinear(shape[1], shape[0], opt, bias=bool(spec.get("bias")))
-        elif kind == "embedding":
-            new = MixedEmbedding(shape[0], shape[1], opt)
-        elif kind == "switch":
-            new = MixedSwitchLinear(shape[2], shape[1], shape[0], opt, bias=bool(spec.get("bias")))
-        else:
-            raise ValueError(f"{path}: unknown mixed layer kind {kind!r}")
-        _set_module(model, path, new)
+        if path not in modules:
+            raise ValueError(f"config lists a mixed layer {path!r} that the model does not have")
+        _set_module(model, path, empty_mixed_layer(modules[path], spec["option"]))
     return model
 
 
