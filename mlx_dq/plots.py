@@ -263,9 +263,9 @@ def error_heatmap(
     fig, (a,) = _panels(ax, 1, 1, (max(4.0, 0.55 * len(kinds) + 2), max(3.0, 0.16 * len(layers) + 1.5)))
     image = _draw_matrix(a, np.where(mat > 0, mat, np.nan), layers, kinds, norm, cmap, annotate=False)
     what = f"option nearest {float(target):g} bpw" if isinstance(target, (int, float)) else f"option {target.desc}"
-    quantity = "predicted damage (importance x error²)" if damage else "relative output error"
-    a.set_title(f"{quantity} at the {what}", fontsize=10)
-    fig.colorbar(image, ax=a, label=f"{quantity} (log)")
+    quantity = "predicted damage" if damage else "relative output error"
+    a.set_title(f"{quantity}{' (importance x error²)' if damage else ''} at the {what}", fontsize=10)
+    fig.colorbar(image, ax=a, label=f"{quantity} (log scale)")
     return fig
 
 
