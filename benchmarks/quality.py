@@ -117,7 +117,9 @@ def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
         )
     lines += ["", "Notes:", ""]
     lines += [f"- {n}" for n in info["notes"]]
-    lines += ["", f"Command: `{info['command']}` ({info['wall_min']:.1f} min on {info['machine']})", ""]
+    compute = sum(float(r.get("build_s") or 0) + float(r.get("eval_s") or 0) for r in rows) / 60
+    lines += ["", f"Command: `{info['command']}` (this run {info['wall_min']:.1f} min; building and evaluating "
+              f"all rows took {compute:.0f} min on {info['machine']}, shared with other jobs)", ""]
     path.write_text("\n".join(lines))
 
 
@@ -171,23 +173,31 @@ def write_plot(path: Path, rows: list[dict], base_ppl: float, title: str) -> Non
 
 
 def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache: Path, spec: str) -> Iterator[Variant]:
-    """Every mlx-lm method, built lazily one at a time from the float32 model."""
-    for b in baselines.UNIFORM_BITS:
+    """Every mlx-lm method, built lazily one at a time from the float32 model.
+
+    Ordered so that a run cut short still covers the range where methods compete (2-5 bits) first.
+    """
+
+    def uniform(b: int) -> Iterator[Variant]:
         for g in baselines.GROUP_SIZES:
             note = "MLX's zero-anchored scale does not reproduce the Q4_1 grid" if (b, g) == (4, 32) else ""
             if g == 128 and config.get("hidden_size", 0) % 128:
                 note = f"inputs of width {config['hidden_size']} are not a multiple of 128: mlx-lm keeps them 16-bit"
             yield Variant("mlx-lm uniform", f"mlx-lm {b}-bit g{g}",
                           lambda b=b, g=g: (baselines.uniform(model, config, b, g)[0], None), note)
-    for r in baselines.MIXED_RECIPES:
-        yield Variant("mlx-lm mixed", f"mlx-lm {r}", lambda r=r: (baselines.mixed_recipe(model, config, r)[0], None),
-                      "tied head: lm_head rule does not apply")
-    for levels, targets in DYNAMIC_RUNS:
+
+    def mixed() -> Iterator[Variant]:
+        for r in baselines.MIXED_RECIPES:
+            yield Variant("mlx-lm mixed", f"mlx-lm {r}",
+                          lambda r=r: (baselines.mixed_recipe(model, config, r)[0], None),
+                          "tied head: lm_head rule does not apply")
+
+    def dynamic(levels: tuple[int, ...], targets: tuple[float, ...]) -> Iterator[Variant]:
         lb, lg, hb, hg = levels
         path = cache / f"{_tag(spec)}.dynamic_sens.{lb}b{lg}-{hb}b{hg}.r{calib_rows.shape[0]}x{calib_rows.shape[1]}.json"
         state: dict = {}
 
-        def sensitivities(levels=levels, path=path, state=state) -> dict[str, float]:
+        def sensitivities() -> dict[str, float]:
             if "sens" not in state:
                 if path.exists():
                     state["sens"] = json.loads(path.read_text())
@@ -203,10 +213,14 @@ def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache:
             default = " (its defaults)" if tuple(levels) == baselines.DYNAMIC_LEVELS and t == baselines.DYNAMIC_TARGET else ""
             yield Variant(
                 "mlx-lm dynamic_quant", f"mlx-lm dynamic_quant {lb}b{lg}/{hb}b{hg} @{t:g}",
-                lambda t=t, levels=levels, s=sensitivities: (
-                    baselines.dynamic_quant(model, config, s(), t, levels)[0], None),
+                lambda t=t: (baselines.dynamic_quant(model, config, sensitivities(), t, levels)[0], None),
                 f"target {t:g} bpw{default}",
             )
+
+    (hi_levels, hi_targets), (lo_levels, lo_targets) = DYNAMIC_RUNS
+    for part in (uniform(2), uniform(3), uniform(4), mixed(), dynamic(hi_levels, hi_targets), uniform(5),
+                 dynamic(lo_levels, lo_targets), uniform(6), uniform(8)):
+        yield from part
 
 
 def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, calib_seq: int, cache: Path,
@@ -275,7 +289,8 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, cali
               help="mlx-dq quantizers to run, comma separated (gptq: error compensation; rtn: rounding + clip).")
 @click.option("--head-option", default="budget", show_default=True,
               help="mlx-dq embedding/head option, or 'budget' to let the optimizer choose it inside the target.")
-@click.option("--only", type=click.Choice(["all", "mlx-lm", "mlx-dq"]), default="all", show_default=True)
+@click.option("--only", type=click.Choice(["all", "mlx-lm", "mlx-dq", "report"]), default="all", show_default=True,
+              help="Which rows to build; 'report' only rewrites the outputs from earlier (and --merge) results.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Keep rows already in the CSV for the same evaluation settings.")
 @click.option("--merge", multiple=True, type=click.Path(exists=True, dir_okay=False),
@@ -292,10 +307,7 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
         raise click.BadParameter(f"not a list of numbers: {targets!r}", param_hint="--targets") from None
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = out_dir / "cache"
-    model, tokenizer, config = load_model(spec, dtype=mx.float32)
     texts = calib.default_eval_texts()
-    eval_rows = calib.sample_rows(tokenizer, texts, rows, seq_len, seed)
-    c_rows = calib.sample_rows(tokenizer, calib.default_calibration_texts(), calib_rows, calib_seq_len, seed)
     info = {"model": spec, "rows": rows, "seq_len": seq_len, "seed": seed, "text_digest": calib.text_digest(texts)}
     key = _settings_key(info)
     csv_path = out_dir / "quality.csv"
@@ -306,6 +318,12 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
             raise click.BadParameter(f"{other} holds no results for these evaluation settings", param_hint="--merge")
         done.update({k: v for k, v in extra.items() if k not in done})
     results: list[dict] = list(done.values())
+    if only == "report" and "source (float32)" not in done:
+        raise click.ClickException(f"--only report needs earlier results in {csv_path} (or --merge)")
+    if only != "report":
+        model, tokenizer, config = load_model(spec, dtype=mx.float32)
+        eval_rows = calib.sample_rows(tokenizer, texts, rows, seq_len, seed)
+        c_rows = calib.sample_rows(tokenizer, calib.default_calibration_texts(), calib_rows, calib_seq_len, seed)
     ref_state: dict = {}
 
     def ref() -> evaluate.Reference:
