@@ -123,7 +123,9 @@ def _kinds(pairs: Iterable[tuple[str, bool]]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- layout
-def _panels(ax: Axes | Sequence[Axes] | None, n: int, ncols: int, size: tuple[float, float]) -> tuple[Figure, list[Axes]]:
+def _panels(
+    ax: Axes | Sequence[Axes] | None, n: int, ncols: int, size: tuple[float, float]
+) -> tuple[Figure, list[Axes]]:
     """A new figure with ``n`` panels, or the figure of the ``n`` axes the caller passed."""
     if ax is None:
         ncols = max(1, min(ncols, n))
@@ -384,7 +386,7 @@ def kl_vs_bpw(csv_path: str | Path, *, ax: Sequence[Axes] | None = None) -> Figu
     if not rows:
         raise ValueError(f"{csv_path}: no quantized rows with bpw and a positive KL to plot")
     fig, (a_kl, a_ppl) = _panels(ax, 2, 2, (4.6, 3.6))
-    families = list(dict.fromkeys(r["family"] for r in sorted(rows, key=lambda r: (not r["family"].startswith("mlx-dq"), r["family"]))))
+    families = sorted({r["family"] for r in rows}, key=lambda f: (not f.startswith("mlx-dq"), f))
     markers = "osD^v<>ph*"
     for i, fam in enumerate(families):
         pts = sorted((r for r in rows if r["family"] == fam), key=lambda r: r["bpw"])
