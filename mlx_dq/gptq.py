@@ -42,11 +42,11 @@ import numpy as np
 
 from .options import QuantOption, perm_bits
 from .quant import (
-    DEFAULT_CLIP_FACTORS,
     QuantizedTensor,
     _as_banks,
     act_order as energy_order,
     clip_search,
+    default_clip_factors,
     output_error,
     pack_codes,
     quantize_weight,
@@ -56,6 +56,7 @@ from .quant import (
 DEFAULT_SHIFTS: tuple[float, ...] = (-0.5, -0.25, 0.25, 0.5)  # bias shifts, in quantization steps
 DEFAULT_RESCALES: tuple[float, ...] = (0.9, 0.95, 1.05)  # scale multipliers around the range centre
 MAX_DAMP_RETRIES = 6
+SCALE_WEIGHTS = ("diag", "gptq")
 
 
 # --------------------------------------------------------------------------
@@ -222,7 +223,7 @@ def choose_group_params(
         target=wm,
         weight=None if wei is None else mx.array(wei),
         metric="diag",
-        factors=DEFAULT_CLIP_FACTORS if clip else (),
+        factors=default_clip_factors(bits) if clip else (),
         dtype=mx.float16,
     )
     s, b = res.scales, res.biases
@@ -277,6 +278,7 @@ def gptq_core(
     block_size: int = 128,
     clip: bool = True,
     weighted_scales: bool = True,
+    scale_weight: str = "diag",
 ) -> GPTQResult:
     """GPTQ on ``w`` ``[B, R, in]`` with Gram ``[1 or B, in, in]``; storage column ``j`` is channel ``order[j]``.
 
@@ -284,8 +286,13 @@ def gptq_core(
     positions) with ``static_groups`` (group parameters fixed up front from
     the original weights). Without static groups, blocks end on group
     boundaries and each group's parameters are chosen from the updated weights
-    when its first column comes up.
+    when its first column comes up. ``scale_weight`` picks the per-channel
+    weights of the scale search: ``"diag"`` (``diag(H)``, input energy) or
+    ``"gptq"`` (``1/[H^-1]_jj`` over the not-yet-quantized channels, the
+    damage GPTQ's own objective assigns to that channel's error).
     """
+    if scale_weight not in SCALE_WEIGHTS:
+        raise ValueError(f"scale_weight must be one of {SCALE_WEIGHTS}, got {scale_weight!r}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     w = np.asarray(w, dtype=np.float32)
@@ -306,6 +313,9 @@ def gptq_core(
 
     h, lam = damped_hessian(gs_full[:, porder][:, :, porder], damp)
     u, extra = inverse_cholesky_upper(h)
+    if scale_weight == "gptq":
+        energy = np.empty_like(energy)
+        energy[:, porder] = 1.0 / np.einsum("bii->bi", u) ** 2
     scales = np.zeros((len(groups), nb, rows), dtype=np.float16)  # group-major: contiguous per column
     biases = np.zeros_like(scales)
 
@@ -381,6 +391,7 @@ def gptq_quantize(
     act_order: bool = True,
     clip: bool = True,
     weighted_scales: bool = True,
+    scale_weight: str = "diag",
     error_stats: bool = True,
 ) -> QuantizedTensor:
     """Quantize ``w`` with ``option`` by GPTQ error compensation against the input Gram ``gram``.
@@ -390,7 +401,8 @@ def gptq_quantize(
     Hessian: one factorisation for all experts) or ``[E, in, in]`` (per
     expert). For sequential quantization pass the Gram of the inputs produced
     by the already-quantized earlier layers. ``damp`` adds ``damp *
-    mean(diag(H))`` to the diagonal. The result is an ordinary
+    mean(diag(H))`` to the diagonal; ``scale_weight`` weights the scale search
+    (see :func:`gptq_core`). The result is an ordinary
     :class:`~mlx_dq.quant.QuantizedTensor` (uniform options: natural channel
     order, stock-MLX loadable; mixed options: act-order permutation). Its
     ``stats`` carry the settings, timing and (``error_stats``) the relative
@@ -435,6 +447,7 @@ def gptq_quantize(
         block_size=block_size,
         clip=clip,
         weighted_scales=weighted_scales,
+        scale_weight=scale_weight,
     )
 
     perm = order.astype(np.uint16 if perm_bits(in_f) == 16 else np.uint32) if mixed else None
@@ -462,6 +475,7 @@ def gptq_quantize(
         "static_groups": static,
         "clip": clip,
         "weighted_scales": weighted_scales,
+        "scale_weight": scale_weight,
         "hessian": "per_expert" if (len(shape) == 3 and not folded) else "shared",
         "seconds": time.perf_counter() - t0,
     }

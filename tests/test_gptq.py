@@ -52,6 +52,16 @@ def test_gptq_beats_rounding(layer, desc):
     assert full.stats["output_error"] == pytest.approx(e_full, rel=1e-3)
 
 
+@pytest.mark.parametrize("desc", ["1.0:3b_64g", "0.25:4b_32g/0.75:3b_64g"])
+def test_conditional_scale_weights(layer, desc):
+    w, x, gram = layer
+    opt = QuantOption.parse(desc)
+    rtn_clip = quantize_weight(mx.array(w), opt, mx.array(gram), clip=True)
+    qt = gptq_quantize(w, opt, gram, scale_weight="gptq")
+    assert qt.stats["scale_weight"] == "gptq"
+    assert _out_err(x, w, np.array(qt.dequantize())) < _out_err(x, w, np.array(rtn_clip.dequantize()))
+
+
 @pytest.mark.parametrize("desc", UNIFORM + MIXED)
 def test_result_matches_layout_of_rounding(layer, desc):
     w, _, gram = layer
@@ -178,6 +188,8 @@ def test_keep16_and_bad_input(layer):
         gptq_quantize(w, opt, gram, damp=-1.0)
     with pytest.raises(ValueError, match="block_size"):
         gptq_quantize(w, opt, gram, block_size=0)
+    with pytest.raises(ValueError, match="scale_weight"):
+        gptq_quantize(w, opt, gram, scale_weight="energy")
 
 
 @pytest.fixture(scope="module")
