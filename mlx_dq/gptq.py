@@ -105,6 +105,34 @@ def inverse_cholesky_upper(h: np.ndarray, damp_step: float | None = None) -> tup
     raise ValueError(f"Gram matrix is not positive definite even with {extra:g} added damping")
 
 
+@dataclass(frozen=True)
+class HessianFactor:
+    """The damped ``H`` factorised for one channel processing sequence; reusable by every option.
+
+    ``sequence``: original input channel processed at each step; ``u``
+    (``[Bg, k, k]``): upper Cholesky factor of the damped ``H^-1`` in that
+    sequence; ``damp`` the relative damping asked for, ``damp_abs`` the
+    largest absolute damping added, ``extra_damp`` any more added to reach
+    positive definiteness.
+    """
+
+    sequence: np.ndarray
+    u: np.ndarray
+    damp: float
+    damp_abs: float
+    extra_damp: float
+
+
+def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: float = 0.01) -> HessianFactor:
+    """Damp ``gram`` (``[k, k]`` or ``[Bg, k, k]``), reorder it to ``sequence`` and factorise its inverse."""
+    g = np.asarray(gram, dtype=np.float32)
+    g = g[None] if g.ndim == 2 else g
+    seq = np.asarray(sequence, dtype=np.int64)
+    h, lam = damped_hessian(g[:, seq][:, :, seq], damp)
+    u, extra = inverse_cholesky_upper(h)
+    return HessianFactor(seq, u, float(damp), lam, extra)
+
+
 # --------------------------------------------------------------------------
 # group parameters
 # --------------------------------------------------------------------------
@@ -279,6 +307,7 @@ def gptq_core(
     clip: bool = True,
     weighted_scales: bool = True,
     scale_weight: str = "diag",
+    factor: HessianFactor | None = None,
 ) -> GPTQResult:
     """GPTQ on ``w`` ``[B, R, in]`` with Gram ``[1 or B, in, in]``; storage column ``j`` is channel ``order[j]``.
 
@@ -289,7 +318,8 @@ def gptq_core(
     when its first column comes up. ``scale_weight`` picks the per-channel
     weights of the scale search: ``"diag"`` (``diag(H)``, input energy) or
     ``"gptq"`` (``1/[H^-1]_jj`` over the not-yet-quantized channels, the
-    damage GPTQ's own objective assigns to that channel's error).
+    damage GPTQ's own objective assigns to that channel's error). ``factor``
+    reuses a :func:`factor_hessian` result made for the same sequence and damping.
     """
     if scale_weight not in SCALE_WEIGHTS:
         raise ValueError(f"scale_weight must be one of {SCALE_WEIGHTS}, got {scale_weight!r}")
@@ -305,14 +335,18 @@ def gptq_core(
     g_start = np.array([g0 for g0, _, _ in groups])
 
     ws = w[:, :, order]  # storage order
-    gs_full = np.asarray(gram, dtype=np.float32)[:, order][:, :, order]
-    energy = np.einsum("bii->bi", gs_full).copy()  # undamped diag(H), storage order [Bg, k]
+    gram = np.asarray(gram, dtype=np.float32)
+    energy = np.einsum("bii->bi", gram)[:, order].copy()  # undamped diag(H), storage order [Bg, k]
     porder = np.arange(k) if process_order is None else np.asarray(process_order)
     if not static_groups and process_order is not None and not np.array_equal(porder, np.arange(k)):
         raise ValueError("a custom process order needs static_groups=True")
 
-    h, lam = damped_hessian(gs_full[:, porder][:, :, porder], damp)
-    u, extra = inverse_cholesky_upper(h)
+    sequence = np.asarray(order)[porder]
+    if factor is None:
+        factor = factor_hessian(gram, sequence, damp)
+    elif factor.damp != damp or not np.array_equal(factor.sequence, sequence) or factor.u.shape[0] != gram.shape[0]:
+        raise ValueError("the Hessian factor was made for another channel sequence, damping or expert count")
+    u, lam, extra = factor.u, factor.damp_abs, factor.extra_damp
     if scale_weight == "gptq":
         energy = np.empty_like(energy)
         energy[:, porder] = 1.0 / np.einsum("bii->bi", u) ** 2
@@ -393,6 +427,7 @@ def gptq_quantize(
     weighted_scales: bool = True,
     scale_weight: str = "diag",
     error_stats: bool = True,
+    factor_cache: dict | None = None,
 ) -> QuantizedTensor:
     """Quantize ``w`` with ``option`` by GPTQ error compensation against the input Gram ``gram``.
 
@@ -402,7 +437,9 @@ def gptq_quantize(
     expert). For sequential quantization pass the Gram of the inputs produced
     by the already-quantized earlier layers. ``damp`` adds ``damp *
     mean(diag(H))`` to the diagonal; ``scale_weight`` weights the scale search
-    (see :func:`gptq_core`). The result is an ordinary
+    (see :func:`gptq_core`). ``factor_cache``: a dict kept by the caller for
+    one Gram matrix; the factorised Hessian is stored there and reused by
+    later calls with other options (all act-ordered options share it). The result is an ordinary
     :class:`~mlx_dq.quant.QuantizedTensor` (uniform options: natural channel
     order, stock-MLX loadable; mixed options: act-order permutation). Its
     ``stats`` carry the settings, timing and (``error_stats``) the relative
@@ -436,11 +473,19 @@ def gptq_quantize(
         process = energy
     else:
         order, process, static = np.arange(in_f), None, False
+    factor = None
+    if factor_cache is not None:
+        seq = order if process is None else order[process]
+        key = (float(damp), gnp.shape[0], seq.tobytes())
+        factor = factor_cache.get(key)
+        if factor is None:
+            factor = factor_cache[key] = factor_hessian(gnp, seq, damp)
     res = gptq_core(
         wnp,
         gnp,
         option,
         order,
+        factor=factor,
         static_groups=static,
         process_order=process,
         damp=damp,

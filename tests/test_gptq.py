@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dq.gptq import gptq_core, gptq_quantize, refine_group_params
+from mlx_dq.gptq import factor_hessian, gptq_core, gptq_quantize, refine_group_params
 from mlx_dq.options import QuantOption
 from mlx_dq.quant import act_order, pack_codes, quantize_weight
 
@@ -220,3 +220,21 @@ def test_real_layers_compensation_beats_rounding(real_layer_inputs, desc):
         rtn_clip = output_error(w, quantize_weight(w, opt, gram, clip=True).dequantize(), gram)
         comp = output_error(w, gptq_quantize(w, opt, gram).dequantize(), gram)
         assert comp < 0.8 * rtn_clip < 0.8 * rtn, (name, desc, rtn, rtn_clip, comp)
+
+
+def test_factor_cache_reused_across_options(layer):
+    w, x, gram = layer
+    cache: dict = {}
+    for desc in ("1.0:3b_64g", "0.25:4b_32g/0.75:3b_64g", "1.0:2b_32g"):
+        opt = QuantOption.parse(desc)
+        cached = gptq_quantize(w, opt, gram, factor_cache=cache)
+        fresh = gptq_quantize(w, opt, gram)
+        np.testing.assert_array_equal(np.array(cached.dequantize()), np.array(fresh.dequantize()))
+    assert len(cache) == 1  # act-ordered uniform and mixed options process channels in one sequence
+    gptq_quantize(w, QuantOption.uniform(3, 64), gram, act_order=False, factor_cache=cache)
+    gptq_quantize(w, QuantOption.uniform(3, 64), gram, damp=0.1, factor_cache=cache)
+    assert len(cache) == 3
+    wrong = factor_hessian(gram, np.arange(gram.shape[0]))
+    with pytest.raises(ValueError, match="sequence"):
+        gptq_core(w[None], gram[None], QuantOption.uniform(3, 64), np.argsort(-np.diag(gram)),
+                  static_groups=False, factor=wrong)
