@@ -217,8 +217,25 @@ def _candidate_error(
     """
     s, b = scale[..., None], bias[..., None]
     q = mx.clip(mx.round((w - b) / code_scale[..., None]), 0.0, n_bins)
-    deq = ((s * q).astype(dtype).astype(mx.float32) + b).astype(dtype).astype(mx.float32)
+    deq = _round_to(_round_to(s * q, dtype) + b, dtype)
     return _group_error(deq - target, weight, metric)
+
+
+def _round_to(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Round float32 ``x`` to the nearest ``dtype`` value, in float32 arithmetic (fuses under compile).
+
+    Same result as ``x.astype(dtype).astype(mx.float32)`` (float16 subnormals
+    included; no overflow handling), about twice as fast on the CPU.
+    """
+    if dtype == mx.float32:
+        return x
+    if dtype == mx.bfloat16:
+        c = x * 65537.0  # Veltkamp split keeps 8 significant bits
+        return c - (c - x)
+    c = x * 8193.0  # 11 significant bits
+    normal = c - (c - x)
+    subnormal = (x + 0.75) - 0.75  # float32 spacing at 0.75 is 2**-24, float16's subnormal step
+    return mx.where(mx.abs(x) < 6.103515625e-05, subnormal, normal)
 
 
 _compiled: dict = {}

@@ -342,3 +342,15 @@ def test_clip_search_reproduces_an_existing_min_max_grid() -> None:
     plain = weight_error(w, quantize_weight(w, QuantOption.uniform(4, 32), clip=False).dequantize())
     searched = weight_error(w, quantize_weight(w, QuantOption.uniform(4, 32)).dequantize())
     assert plain > 1e-2 and searched < 0.02 * plain  # exact up to fp16 rounding of the grid itself
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_float32_rounding_matches_casts(dtype: mx.Dtype) -> None:
+    from mlx_dq.quant import _round_to
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_t(4, 20000) * 0.02, rng.uniform(-1e-4, 1e-4, 20000), rng.uniform(-6e4, 6e4, 2000)])
+    x = mx.array(x.astype(np.float32))
+    expect = np.array(x.astype(dtype).astype(mx.float32))
+    assert np.array_equal(np.array(_round_to(x, dtype)), expect)
+    assert np.array_equal(np.array(mx.compile(lambda a: _round_to(a, dtype))(x)), expect)
