@@ -8,7 +8,9 @@ Building blocks, reusable by error-compensating quantizers:
 
 - :func:`affine_params` MLX's per-group scale/bias rule,
 - :func:`affine_codes` codes for given stored scales/biases,
-- :func:`clip_search` per-group range shrinking ("optimal shrinkage"),
+- :func:`clip_search` per-group range shrinking ("optimal shrinkage") scored
+  by output error (diagonal Gram blocks), input-energy-weighted or plain error,
+- :func:`permute_inputs` / :func:`pack_part` act-order and stored triples,
 - :func:`pack_codes` / :func:`unpack_codes` / :func:`dequantize_ref` a numpy
   reference of MLX's storage format, bit-exact with the CPU backend.
 """
