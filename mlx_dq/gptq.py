@@ -560,7 +560,7 @@ def quantize_layer_sequential(
     expert_mode: str = "per_expert",
     compensate: bool = True,
     **gptq_kwargs: Any,
-) -> dict[str, QuantizedTensor]:
+) -> dict[str, tuple[QuantizedTensor, mx.array | None]]:
     """Quantize the modules of ``layer`` named in ``plan`` in call order, each on inputs from the already-quantized ones.
 
     ``calls`` holds one ``(args, kwargs)`` per calibration batch, as the layer is
@@ -572,7 +572,8 @@ def quantize_layer_sequential(
     Gram when ``compensate`` is off, or when a module saw no input), and their
     weights are replaced by the dequantized result, so later stages see the
     quantized outputs. Paths are relative to ``layer``; keep-16-bit options
-    leave the weight as is. Returns ``{path: QuantizedTensor}``.
+    leave the weight as is. Returns ``{path: (QuantizedTensor, Gram it was
+    quantized against or None)}``.
     """
     from .capture import quantizable_modules
 
@@ -582,7 +583,7 @@ def quantize_layer_sequential(
         raise ValueError(f"plan names modules the layer does not have: {unknown}")
     if not calls:
         raise ValueError("quantize_layer_sequential needs at least one calibration call")
-    done: dict[str, QuantizedTensor] = {}
+    done: dict[str, tuple[QuantizedTensor, mx.array | None]] = {}
     remaining = [p for p in mods if p in plan]
     while remaining:
         col = _OrderedCollector({p: mods[p] for p in remaining}, expert_mode=expert_mode)
@@ -611,6 +612,6 @@ def quantize_layer_sequential(
                 qt = quantize_weight(w, opt, qg)
             if not opt.keep16:
                 mod.weight = qt.dequantize(w.dtype)
-            done[path] = qt
+            done[path] = (qt, gram)
         remaining = [p for p in remaining if p not in stage]
     return done

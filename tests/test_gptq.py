@@ -270,8 +270,9 @@ def test_layer_sequential_uses_quantized_inputs():
     xs = [mx.random.normal((2, 16, 64)) * mx.exp(mx.random.normal((64,))) for _ in range(2)]
     plan = {"up": QuantOption.uniform(3, 32), "gate": QuantOption.uniform(3, 32),
             "down": QuantOption.parse("0.25:4b_32g/0.75:3b_64g")}
-    out = quantize_layer_sequential(block, [((x,), {}) for x in xs], plan)
-    assert set(out) == set(plan)
+    res = quantize_layer_sequential(block, [((x,), {}) for x in xs], plan)
+    assert set(res) == set(plan)
+    out = {k: qt for k, (qt, _) in res.items()}
     for k, qt in out.items():  # the layer now holds the quantized weights
         np.testing.assert_array_equal(np.array(getattr(block, k).weight), np.array(qt.dequantize()))
     # first stage: up and gate on the layer input
@@ -282,6 +283,7 @@ def test_layer_sequential_uses_quantized_inputs():
     # second stage: down on what the quantized up/gate produce, not on the float ones
     hq = [nn.silu(x @ out["gate"].dequantize().T) * (x @ out["up"].dequantize().T) for x in xs]
     hf = [nn.silu(x @ w0["gate"].T) * (x @ w0["up"].T) for x in xs]
+    np.testing.assert_allclose(np.array(res["down"][1]), np.array(_gram(hq)), rtol=1e-5)
     seq = gptq_quantize(w0["down"], plan["down"], _gram(hq))
     np.testing.assert_array_equal(np.array(out["down"].dequantize()), np.array(seq.dequantize()))
     flt = gptq_quantize(w0["down"], plan["down"], _gram(hf))
