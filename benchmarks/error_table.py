@@ -25,11 +25,13 @@ from mlx_dq.options import QuantOption
 from mlx_dq.quant import output_error, quantize_weight
 
 PROJS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+EMBED = "model.embed_tokens"  # tied: its Gram is that of the head's input
+EMBED_ROWS = 8192
 
 
 def collect(layers: list[int], rows: int, seq_len: int, cache: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Float weights and calibration Gram matrices of the chosen layers (cached in ``cache``)."""
-    names = [f"model.layers.{i}.{p}" for i in layers for p in PROJS]
+    names = [f"model.layers.{i}.{p}" for i in layers for p in PROJS] + [EMBED]
     if cache.is_file():
         data = np.load(cache)
         if all(f"{n}/w" in data for n in names):
@@ -47,6 +49,8 @@ def collect(layers: list[int], rows: int, seq_len: int, cache: Path) -> dict[str
             model(tokens[i : i + 4])
             gc.flush()
     out = {n: (np.array(chosen[n].weight.astype(mx.float32)), np.array(gc.stats[n].gram)) for n in names}
+    w, g = out[EMBED]  # the tied head: keep the first rows (lowest token ids) only, to stay fast
+    out[EMBED] = (w[:EMBED_ROWS], g)
     np.savez(cache, **{f"{n}/{k}": v for n, (w, g) in out.items() for k, v in (("w", w), ("gram", g))})
     return out
 
@@ -59,11 +63,18 @@ def dither(w: np.ndarray, seed: int = 0) -> np.ndarray:
     return (g + noise).reshape(w.shape).astype(np.float32)
 
 
+def _short(name: str) -> str:
+    """A table column name for a parameter path."""
+    if name == EMBED:
+        return f"embed/head[:{EMBED_ROWS}]"
+    return name.replace("model.layers.", "L").replace("self_attn.", "").replace("mlp.", "")
+
+
 def grid_table(tensors: dict[str, tuple[mx.array, mx.array]]) -> None:
     """Print output error of every default-grid option per tensor, sorted by bpw, and monotonicity violations."""
     grid = load_grid()
     names = list(tensors)
-    short = [n.replace("model.layers.", "L").replace("self_attn.", "").replace("mlp.", "") for n in names]
+    short = [_short(n) for n in names]
     table: dict[str, dict[str, float]] = {}
     bpw: dict[str, dict[str, float]] = {}
     for n in names:
@@ -96,7 +107,7 @@ def clip_table(tensors: dict[str, tuple[mx.array, mx.array]], bits: tuple[int, .
     print(f"{'tensor':<16} {'option':<12} {'no clip':>9} {'weight':>9} {'diag':>9} {'block':>9}  gain(block)  clipped")
     gains: dict[int, list[float]] = {b: [] for b in bits}
     for n, (w, gram) in tensors.items():
-        s = n.replace("model.layers.", "L").replace("self_attn.", "").replace("mlp.", "")
+        s = _short(n)
         for b in bits:
             opt = QuantOption.uniform(b, group)
             errs = [output_error(w, quantize_weight(w, opt, gram=gram, clip=False).dequantize(), gram),
@@ -126,13 +137,14 @@ def main() -> None:
     t0 = time.perf_counter()
     raw = collect([int(x) for x in args.layers.split(",")], args.rows, args.seq_len, args.cache)
     tensors = {n: (mx.array(dither(w) if args.dither else w), mx.array(g)) for n, (w, g) in raw.items()}
+    clip_tensors = {n: v for n, v in tensors.items() if n != EMBED}
     print(f"{len(tensors)} tensors, Gram from {args.rows}x{args.seq_len} calibration tokens"
           f"{', dithered weights' if args.dither else ''} ({time.perf_counter() - t0:.0f}s to load)")
     if not args.skip_grid:
         grid_table(tensors)
     if not args.skip_clip:
         for group in (64, 32):
-            clip_table(tensors, (2, 3, 4), group)
+            clip_table(clip_tensors, (2, 3, 4), group)
     print(f"total {time.perf_counter() - t0:.0f}s")
 
 
