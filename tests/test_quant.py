@@ -354,3 +354,27 @@ def test_float32_rounding_matches_casts(dtype: mx.Dtype) -> None:
     expect = np.array(x.astype(dtype).astype(mx.float32))
     assert np.array_equal(np.array(_round_to(x, dtype)), expect)
     assert np.array_equal(np.array(mx.compile(lambda a: _round_to(a, dtype))(x)), expect)
+
+
+# ------------------------------------------------------------- real weights
+def _gguf_weight(path, name: str) -> mx.array:
+    """A float32 weight from the bundled Q4_1 GGUF (MLX reads it as affine 4-bit group 32)."""
+    t = mx.load(str(path))
+    return mx.dequantize(t[f"{name}.weight"], t[f"{name}.scales"], t[f"{name}.biases"], group_size=32, bits=4).astype(
+        mx.float32
+    )
+
+
+@pytest.mark.slow
+def test_real_weights_clip_gain_and_grid_order(bundled_gguf) -> None:
+    from mlx_dq.grids import load_grid
+
+    down = _gguf_weight(bundled_gguf, "blk.3.ffn_down")  # [576, 1536]
+    for bits in (2, 3):
+        opt = QuantOption.uniform(bits, 64)
+        plain = weight_error(down, quantize_weight(down, opt, clip=False).dequantize())
+        clipped = weight_error(down, quantize_weight(down, opt).dequantize())
+        assert clipped < 0.9 * plain, (bits, plain, clipped)
+    errs = [(o.bpw(down.shape), weight_error(down, quantize_weight(down, o).dequantize())) for o in load_grid()["mlp_out"]]
+    errs.sort()
+    assert all(b[1] < a[1] for a, b in zip(errs, errs[1:])), errs
