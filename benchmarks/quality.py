@@ -358,7 +358,7 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
                 t0 = time.perf_counter()
                 try:
                     q, folder = v.build()
-                except (ValueError, NotImplementedError, TypeError, AttributeError) as e:
+                except (ValueError, NotImplementedError, TypeError, AttributeError, ImportError, RuntimeError) as e:
                     print(f"NOTE: {v.name} skipped: {type(e).__name__}: {e}", flush=True)
                     continue
                 t1 = time.perf_counter()
