@@ -46,6 +46,20 @@ MLX_DQ_TARGETS = (2.5, 3.0, 3.5, 4.0, 4.5, 5.0)
 # dynamic_quant: its default levels (4b g64 -> 5b g64) at its default target 5.0, the 4.7 of
 # mlx-lm's published figures and 5.25; plus levels one step lower (3b g64 -> 4b g64) to reach 3.5-4.5
 DYNAMIC_RUNS = (((4, 64, 5, 64), (4.7, 5.0, 5.25)), ((3, 64, 4, 64), (3.75, 4.0, 4.25)))
+# caveats that hold for the bundled SmolLM2 Q4_1 GGUF
+BUNDLED_NOTES = [
+    "The source is the bundled SmolLM2-135M-Instruct Q4_1 GGUF (token embedding Q8_0), dequantized to "
+    "float32: every other weight lies on a 4-bit min/max grid per group of 32 inputs. mlx-lm's 4-bit g32 "
+    "does NOT reproduce it: MLX's quantizer anchors each group at its larger-magnitude edge and rounds the "
+    "scale so that edge and zero are exact, which moves the grid off Q4_1's (layer 0 down_proj: 7.7% "
+    "relative weight error, the same as on ordinary weights). A quantizer that tries the plain min/max "
+    "scale at 4-bit g32 can reproduce the source exactly, so any method that does (mlx-dq options with "
+    "4b_32g segments may) is flattered near 4-5 bpw on this model; check claims on other models too.",
+    "Group size 128: SmolLM2's hidden size 576 is not a multiple of 128, so mlx-lm leaves every tensor with "
+    "576 inputs (all but down_proj, and the embedding) in 16 bits; those rows have high bpw.",
+    "SmolLM2 ties the head to the embedding: mlx-lm's mixed_* recipes give lm_head the high width, "
+    "but a tied model has no lm_head, so its embedding/head takes the low width.",
+]
 FIELDS = ["family", "method", "bpw", "kl", "kl_max", "top1", "perplexity", "size_mb", "build_s", "eval_s", "notes"]
 
 
@@ -92,6 +106,36 @@ def _fmt(r: dict, key: str, spec: str) -> str:
     return "" if v in ("", None) else format(float(v), spec)
 
 
+def goal_check(rows: list[dict]) -> list[str]:
+    """Markdown lines: each mlx-lm row within mlx-dq's bpw range against the mlx-dq row with the most bits not above it.
+
+    That is the goal "mlx-dq's KL is below every mlx-lm method at equal or higher bpw", read where both exist.
+    """
+    families = sorted({r["family"] for r in rows if r["family"].startswith("mlx-dq")})
+    dq = {f: sorted((r for r in rows if r["family"] == f), key=lambda r: float(r["bpw"])) for f in families}
+    if not dq:
+        return []
+    top = max(float(r["bpw"]) for f in families for r in dq[f])
+    low = min(float(r["bpw"]) for f in families for r in dq[f])
+    lm = sorted((r for r in rows if r["family"].startswith("mlx-lm") and low - 1e-9 <= float(r["bpw"]) <= top + 1e-9),
+                key=lambda r: float(r["bpw"]))
+    head = "| mlx-lm | bpw | KL | " + " | ".join(f"{f} (bpw, KL, ratio)" for f in families) + " |"
+    out = ["", "Goal check: every mlx-lm row inside mlx-dq's bpw range against the mlx-dq row with the most bits "
+           "not above it (ratio = mlx-dq KL / mlx-lm KL; below 1 means mlx-dq wins with no more bits).", "",
+           head, "|---|---:|---:|" + "---|" * len(families)]
+    for r in lm:
+        cells = []
+        for f in families:
+            fit = [d for d in dq[f] if float(d["bpw"]) <= float(r["bpw"]) + 1e-9]
+            if fit:
+                d = fit[-1]
+                cells.append(f"{float(d['bpw']):.3f}, {float(d['kl']):.5f}, {float(d['kl']) / float(r['kl']):.2f}")
+            else:
+                cells.append("")
+        out.append(f"| {r['method']} | {float(r['bpw']):.3f} | {float(r['kl']):.5f} | " + " | ".join(cells) + " |")
+    return out
+
+
 def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
     """The results as a markdown table sorted by bits per weight, with the settings and caveats."""
     lines = [
@@ -115,6 +159,7 @@ def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
             f"| {r['family']} | {r['method']} | {_fmt(r, 'bpw', '.3f')} | {_fmt(r, 'kl', '.5f')} | "
             f"{_fmt(r, 'top1', '.4f')} | {_fmt(r, 'perplexity', '.3f')} | {_fmt(r, 'size_mb', '.1f')} |"
         )
+    lines += goal_check(rows)
     lines += ["", "Notes:", ""]
     lines += [f"- {n}" for n in info["notes"]]
     compute = sum(float(r.get("build_s") or 0) + float(r.get("eval_s") or 0) for r in rows) / 60
@@ -381,18 +426,7 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
         command="python benchmarks/quality.py " + " ".join(sys.argv[1:]),
         wall_min=(time.perf_counter() - t_start) / 60,
         machine=f"{platform.machine()} CPU, MLX {mx.__version__}",
-        notes=[
-            "The source is the bundled SmolLM2-135M-Instruct Q4_1 GGUF (token embedding Q8_0), dequantized to "
-            "float32: every other weight lies on a 4-bit min/max grid per group of 32 inputs. mlx-lm's 4-bit g32 "
-            "does NOT reproduce it: MLX's quantizer anchors each group at its larger-magnitude edge and rounds the "
-            "scale so that edge and zero are exact, which moves the grid off Q4_1's (layer 0 down_proj: 7.7% "
-            "relative weight error, the same as on ordinary weights). A quantizer that tries the plain min/max "
-            "scale at 4-bit g32 can reproduce the source exactly, so any method that does (mlx-dq options with "
-            "4b_32g segments may) is flattered near 4-5 bpw on this model; check claims on other models too.",
-            "Group size 128: SmolLM2's hidden size 576 is not a multiple of 128, so mlx-lm leaves every tensor with "
-            "576 inputs (all but down_proj, and the embedding) in 16 bits; those rows have high bpw.",
-            "SmolLM2 ties the head to the embedding: mlx-lm's mixed_* recipes give lm_head the high width, "
-            "but a tied model has no lm_head, so its embedding/head takes the low width.",
+        notes=(BUNDLED_NOTES if spec == DEFAULT_MODEL else []) + [
             f"dynamic_quant: mlx-lm's estimate_sensitivities and estimate_threshold on our calibration text "
             f"({calib_rows} rows x {calib_seq_len} tokens, not its own download), levels and targets in the "
             "method name (4b64/5b64 @5.0 is its default).",
