@@ -91,6 +91,7 @@ def real_table(args: argparse.Namespace) -> None:
             for m, fn in meth.items():
                 t = time.perf_counter()
                 wq = fn(w, opt, g).dequantize()
+                mx.eval(wq)
                 totals[m] += time.perf_counter() - t
                 errs[m][0].append(output_error(w, wq, g))
                 errs[m][1].append(output_error(w, wq, g_held))
