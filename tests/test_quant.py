@@ -378,3 +378,16 @@ def test_real_weights_clip_gain_and_grid_order(bundled_gguf) -> None:
     errs = [(o.bpw(down.shape), weight_error(down, quantize_weight(down, o).dequantize())) for o in load_grid()["mlp_out"]]
     errs.sort()
     assert all(b[1] < a[1] for a, b in zip(errs, errs[1:])), errs
+
+
+def test_bfloat16_scales_round_trip(tmp_path) -> None:
+    w = heavy_tailed((16, 576), seed=12)
+    gram, _ = random_gram(576, n=64)
+    opt = QuantOption.parse("0.25:6b_64g/0.75:3b_32g")
+    qt = quantize_weight(w, opt, gram=gram, scale_dtype=mx.bfloat16)
+    assert all(s.dtype == mx.bfloat16 and b.dtype == mx.bfloat16 for _, s, b in qt.parts)
+    back, nbytes = save_load(qt, tmp_path / "bf.safetensors")
+    assert 8 * nbytes == opt.storage_bits(qt.shape)
+    assert np.array_equal(reference_weight(back), np.array(back.dequantize()))
+    plain = quantize_weight(w, opt, gram=gram, clip=False, scale_dtype=mx.bfloat16)
+    assert output_error(w, qt.dequantize(), gram) < output_error(w, plain.dequantize(), gram)
