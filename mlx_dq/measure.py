@@ -38,6 +38,7 @@ result equals an uninterrupted run.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -549,6 +550,7 @@ def measure(
         hidden = mx.concatenate(new_hidden, axis=0)
         del new_hidden, refs, col
         _free(layer)
+        gc.collect()  # the capture's temporary classes form reference cycles; free this layer's arrays now
         for rec in records:
             m.tensors[rec.key] = rec
         m.last_module_idx = i
@@ -569,7 +571,7 @@ def measure(
                  if not p.startswith(prefix) and role_of(p) is not None}
     nll = 0.0
     with GramCollector(head_mods, expert_mode) as head_col:
-        for sl in batches:
+        for sl in iter_batches(rows, 1):  # one row at a time: logits are [seq_len, vocab]
             logits = head_logits(model, tokens[sl], hidden[sl])
             nll += _nll_sum(logits, tokens[sl])
             head_col.flush()
