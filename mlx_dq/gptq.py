@@ -25,7 +25,14 @@ and, with ``weighted_scales``, a refinement that minimises the input-energy
 weighted error ``sum_j diag(H)_j (w_j - q_j)^2`` over shifted/rescaled ranges
 and a weighted least-squares refit (:func:`refine_group_params`). Codes are
 computed against the rounded 16-bit scales and biases, and the value GPTQ
-feeds back is exactly what ``mx.dequantize`` returns for the stored triple.
+feeds back is exactly what ``mx.dequantize`` returns for the stored triple on
+MLX's CPU backend (``round16(round16(scale*q) + bias)``; Metal's rounding is
+not verified here).
+
+Expert banks ``[E, out, in]``: with one shared Hessian the experts are folded
+into rows (one factorisation for all); with per-expert Hessians the experts
+are processed together, vectorised, in one channel order (energy summed over
+experts), each with its own factor and damping.
 
 Sequential quantization: the caller (measurer, converter) accumulates ``H``
 from the inputs the layer receives when every earlier layer is already
