@@ -7,6 +7,9 @@ same measurement, at the same budget (the two levels are the adjacent bit widths
 whose all-low / all-high plans bracket the target, 4/5 when both do).
 
     python benchmarks/optimize_seeds.py [FILE ...] [--targets 2.5 3.0 ...] [--json out.json]
+
+FILE may be any measurement, e.g. one of the bundled model written by
+``mlx_dq.measure.measure("smollm2-135m", out_path=FILE)``.
 """
 
 from __future__ import annotations
