@@ -269,7 +269,8 @@ def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache:
 
 
 def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, calib_seq: int, cache: Path,
-                    tmp: Path, methods: tuple[str, ...] = ("gptq",), head_option: str | None = None) -> Iterator[Variant]:
+                    tmp: Path, methods: tuple[str, ...] = ("gptq",), head_option: str | None = None,
+                    modes: tuple[str, ...] = ("mixed", "compatible")) -> Iterator[Variant]:
     """mlx-dq at each target, mixed-proportion and --mlx-lm-compatible: measure -> optimize -> quantize.
 
     ``head_option`` None puts embedding and head in the bpw budget (so the target is the total bpw).
@@ -311,7 +312,7 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, cali
         return dq_load(out)[0], str(out)
 
     for method in methods:
-        for compatible in (False, True):
+        for compatible in [m == "compatible" for m in modes]:
             family = "mlx-dq --mlx-lm-compatible" if compatible else "mlx-dq"
             suffix = "" if method == "gptq" else f" ({method})"
             for t in targets:
@@ -332,6 +333,8 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, cali
               help="mlx-dq bpw targets, comma separated.")
 @click.option("--dq-methods", default="gptq", show_default=True,
               help="mlx-dq quantizers to run, comma separated (gptq: error compensation; rtn: rounding + clip).")
+@click.option("--dq-modes", default="mixed,compatible", show_default=True,
+              help="mlx-dq plans to run: mixed (mixed-proportion options allowed), compatible (--mlx-lm-compatible).")
 @click.option("--head-option", default="budget", show_default=True,
               help="mlx-dq embedding/head option, or 'budget' to let the optimizer choose it inside the target.")
 @click.option("--only", type=click.Choice(["all", "mlx-lm", "mlx-dq", "report"]), default="all", show_default=True,
@@ -342,7 +345,7 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, cali
               help="Also take rows from another run's quality.csv (same evaluation settings); repeatable.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True)
 def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_rows: int, calib_seq_len: int,
-         targets: str, dq_methods: str, head_option: str, only: str, resume: bool,
+         targets: str, dq_methods: str, dq_modes: str, head_option: str, only: str, resume: bool,
          merge: tuple[str, ...], out_dir: Path) -> None:
     """Build and evaluate every mlx-lm method and mlx-dq on the same evaluation rows; write CSV, markdown, PNG."""
     t_start = time.perf_counter()
@@ -395,7 +398,8 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
         if only in ("all", "mlx-dq"):
             methods = tuple(m.strip() for m in dq_methods.split(",") if m.strip())
             variants.append(mlx_dq_variants(spec, dq_targets, calib_rows, calib_seq_len, cache, Path(tmp), methods,
-                                            None if head_option == "budget" else head_option))
+                                            None if head_option == "budget" else head_option,
+                                            tuple(m.strip() for m in dq_modes.split(",") if m.strip())))
         for group in variants:
             for v in group:
                 if v.name in done:
