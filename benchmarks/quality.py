@@ -353,6 +353,9 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
         dq_targets = tuple(float(t) for t in targets.split(",") if t.strip())
     except ValueError:
         raise click.BadParameter(f"not a list of numbers: {targets!r}", param_hint="--targets") from None
+    bad = [m for m in dq_modes.split(",") if m.strip() not in ("mixed", "compatible")]
+    if bad:
+        raise click.BadParameter(f"unknown mode(s) {bad}: use mixed and/or compatible", param_hint="--dq-modes")
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = out_dir / "cache"
     texts = calib.default_eval_texts()
