@@ -112,8 +112,8 @@ def _random_problem(out_f: int, in_f: int, seed: int = 0) -> tuple[mx.array, mx.
 def timing_table(args: argparse.Namespace) -> None:
     """Print seconds per tensor for each method on random weights."""
     meth = {k: v for k, v in methods(args.heavy_damp).items() if k in ("RTN", "RTN+clip", "GPTQ", "GPTQ+wtd")}
-    print("\nseconds per tensor (one run each, random weights, this machine)")
-    print(f"{'shape':<12}{'option':<26}" + "".join(f"{m:>10}" for m in meth) + f"{'GPTQ err':>10}{'RTN err':>10}")
+    print("\nseconds per tensor, wall / CPU (one run each, random weights, this machine)")
+    print(f"{'shape':<12}{'option':<26}" + "".join(f"{m:>16}" for m in meth) + f"{'GPTQ err':>10}{'RTN err':>10}")
     shapes = [(1536, 576), (576, 1536)] + ([] if args.no_large else [(4096, 4096)])
     for out_f, in_f in shapes:
         w, g = _random_problem(out_f, in_f)
@@ -124,12 +124,12 @@ def timing_table(args: argparse.Namespace) -> None:
             opt = QuantOption.parse(desc)
             secs, errs = [], {}
             for m, fn in meth.items():
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 qt = fn(w, opt, g)
                 mx.eval([a for part in qt.parts for a in part])
-                secs.append(time.perf_counter() - t)
+                secs.append((time.perf_counter() - t, time.process_time() - c))
                 errs[m] = output_error(w, qt.dequantize(), g)
-            print(f"{f'{out_f}x{in_f}':<12}{desc:<26}" + "".join(f"{s:>10.2f}" for s in secs)
+            print(f"{f'{out_f}x{in_f}':<12}{desc:<26}" + "".join(f"{s:>8.2f} /{c:>6.2f}" for s, c in secs)
                   + f"{errs['GPTQ+wtd']:>10.4f}{errs['RTN']:>10.4f}", flush=True)
 
 
