@@ -308,6 +308,9 @@ def clip_search(
     exceeds that of ``mx.quantize``. Codes are computed against the rounded
     stored scales, so the stored triple dequantizes to what was scored.
     """
+    bad = [r for r in rules if r not in CLIP_RULES]
+    if bad:
+        raise ValueError(f"clip rules must be among {CLIP_RULES}, got {bad}")
     target = w if target is None else target
     n_bins = float((1 << bits) - 1)
     err_fn = _error_fn(n_bins, dtype, metric, weight is not None)

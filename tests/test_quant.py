@@ -284,6 +284,8 @@ def test_bad_inputs_are_named() -> None:
         quantize_weight(w, QuantOption.uniform(4, 128))
     with pytest.raises(ValueError, match="weight must be"):
         quantize_weight(mx.zeros((64,)), QuantOption.uniform(4, 32))
+    with pytest.raises(ValueError, match="clip rules"):
+        clip_search(w.reshape(1, 8, 2, 32), 4, rules=("median",))
 
 
 # ------------------------------------------------------------ error measures
