@@ -13,10 +13,14 @@ comparable across layers by an *importance* per tensor, defined so that
 ``importance * err**2`` predicts the damage of quantizing that tensor:
 
 - ``"residual"`` (default): quantize only that tensor at a reference option
-  (``1.0:3b_64g``), rerun its decoder layer on a few rows and take the relative
-  squared change of the layer's residual-stream output, divided by the tensor's
-  own squared error on those rows. The embedding's lookup output *is* the
-  residual stream (importance 1); the head's output is the logits (importance 1).
+  (``1.0:3b_64g``), rerun its decoder layer on a few rows and take the squared
+  change of the layer's residual-stream output relative to the output's
+  *robust* energy (channels x median channel energy, see :func:`robust_energy`),
+  divided by the tensor's own squared error on those rows. The robust energy
+  matters: normalising by the plain norm lets a few "massive activation"
+  channels hide the damage of every layer after them. The embedding's lookup
+  output is the residual stream at layer 0 (same definition); the head's output
+  is the logits (importance 1; the head is budgeted apart from the layers).
 - ``"kl"`` (opt-in, needs the whole model in memory): the end-to-end KL
   divergence of the next-token distribution when only that tensor is quantized
   at the reference option, divided by its squared error.
@@ -307,6 +311,18 @@ def _nll_sum(logits: mx.array, tokens: mx.array) -> float:
 # --------------------------------------------------------------------------
 # importance
 # --------------------------------------------------------------------------
+def robust_energy(h: mx.array) -> float:
+    """Energy of hidden states ``[..., channels]`` measured as channels x the median channel's energy.
+
+    Unlike the plain sum of squares it ignores the few "massive activation"
+    channels that dominate the residual stream's norm in many LLMs (in SmolLM2
+    one channel holds ~560x the mean energy from layer 11 on) and that the
+    following norms scale away.
+    """
+    e = np.asarray((h.astype(mx.float32) ** 2).reshape(-1, h.shape[-1]).sum(0), dtype=np.float64)
+    return float(np.median(e) * e.size)
+
+
 def residual_importance(
     layer: nn.Module,
     h: mx.array,
@@ -315,8 +331,9 @@ def residual_importance(
     refs: dict[str, mx.array],
     expert_mode: str = "per_expert",
 ) -> dict[str, dict[str, float]]:
-    """Per tensor: relative squared change of ``layer``'s output when only it uses ``refs[path]``.
+    """Per tensor: squared change of ``layer``'s output when only it uses ``refs[path]``, relative to the output.
 
+    The change is divided by :func:`robust_energy` of the layer's output.
     Returns ``{path: {"damage", "err", "importance"}}`` with ``importance =
     damage / err**2``, both measured on the rows ``h``.
     """
@@ -325,7 +342,7 @@ def residual_importance(
         ref = layer(h, *args, **kwargs)
         mx.eval(ref)
         col.flush()
-    energy = float((ref * ref).sum().item())
+    energy = robust_energy(ref)
     out = {}
     for path, wq in refs.items():
         mod = mods[path]
@@ -505,6 +522,8 @@ def measure(
             calls.append(call)
             firsts.append(h0)
     embed_lookup = dict(embed_col.lookups)
+    h0 = mx.concatenate(firsts, axis=0)[:n_imp]
+    embed_importance = float((h0 * h0).sum().item()) / robust_energy(h0)  # lookup damage is err**2 of the total
     if hidden is None:
         hidden = mx.concatenate(firsts, axis=0)
     del firsts
@@ -586,6 +605,8 @@ def measure(
         if stats is not None and path in embed_lookup:
             m.tied = {"lm_head": path}
             rec.extra["tied_head"] = True
+        elif stats is None and importance == "residual":
+            rec.importance = embed_importance
         m.tensors[path] = rec
     if importance == "kl":
         kl_importance(source, m, tokens[:n_imp], grid_map, clip=clip, progress=progress)
