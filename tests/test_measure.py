@@ -13,7 +13,7 @@ import pytest
 from fixtures_models import make_tiny_model_folder, random_weights, save_tokenizer, tiny_tokenizer
 from mlx_dq import calib
 from mlx_dq.evaluate import perplexity
-from mlx_dq.measure import measure, measure_module, strip_timing
+from mlx_dq.measure import measure, measure_module, reference_option, robust_energy, strip_timing
 from mlx_dq.options import QuantOption
 from mlx_dq.quant import quantize_weight
 from mlx_dq.sources import resolve
@@ -295,3 +295,21 @@ def test_bundled_model_gram_errors_match_direct(tmp_path):
             direct = float(mx.linalg.norm(x @ wq.T - x @ w.T) / mx.linalg.norm(x @ w.T))
             assert m.tensors[p].find(desc).err == pytest.approx(direct, rel=1e-4), (p, desc)
     assert m.base_perplexity == pytest.approx(perplexity(model, tokens), rel=1e-4)
+
+
+def test_robust_energy_ignores_a_massive_channel():
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((2, 64, 128)).astype(np.float32)
+    spiked = h.copy()
+    spiked[..., 5] *= 300.0  # one "massive activation" channel
+    base = robust_energy(mx.array(h))
+    assert robust_energy(mx.array(spiked)) == pytest.approx(base, rel=0.05)
+    assert float((mx.array(spiked) ** 2).sum()) > 50 * base
+    assert base == pytest.approx(float((h**2).sum()), rel=0.1)
+
+
+def test_reference_option_falls_back_to_nearest_fitting():
+    opts = [QuantOption.parse(d) for d in ("1.0:2b_32g", "1.0:4b_32g", "1.0:3b_64g")]
+    assert reference_option(opts, 128).desc == "1.0:3b_64g"
+    assert reference_option(opts, 96).desc == "1.0:2b_32g"  # 3b_64g (3.5 bpw) does not fit; 2b_32g is 3.0, 4b_32g 5.0
+    assert reference_option(opts[2:], 96).keep16
