@@ -283,7 +283,8 @@ class GPTQResult:
     (fp16, groups laid out segment after segment); ``assumed`` ``[B, R, k]``
     the dequantized weight GPTQ compensated for (float32 of the fp16 values
     ``mx.dequantize`` yields); ``order`` original channel of each storage
-    column; ``extra_damp`` damping added beyond the requested one.
+    column; ``extra_damp`` damping added beyond the requested one;
+    ``clipped`` how many error-updated weights fell outside their group's range.
     """
 
     codes: np.ndarray
@@ -293,7 +294,7 @@ class GPTQResult:
     order: np.ndarray
     damp_abs: float
     extra_damp: float
-    stats: dict = field(default_factory=dict)
+    clipped: int = 0
 
 
 def _group_layout(option: QuantOption, in_f: int) -> list[tuple[int, int, int]]:
@@ -344,6 +345,7 @@ def gptq_core(
     for i, (g0, gs, _) in enumerate(groups):
         gid[g0 : g0 + gs] = i
     g_bits = np.array([b for _, _, b in groups])
+    q_max = (1 << g_bits) - 1
     g_start = np.array([g0 for g0, _, _ in groups])
 
     ws = w[:, :, order]  # storage order
@@ -396,6 +398,7 @@ def gptq_core(
     codes = np.zeros((nb, k, rows), dtype=np.uint8)
     assumed = np.zeros((nb, k, rows), dtype=np.float32)
     sp_of = porder
+    clipped = 0
     for b0, b1 in zip(bounds[:-1], bounds[1:]):
         err = np.zeros((nb, b1 - b0, rows), dtype=np.float32)
         for p in range(b0, b1):
@@ -408,6 +411,8 @@ def gptq_core(
             col = wt_[:, p, :]
             q = codes_f16(col, s, bi, int(g_bits[g]))
             dq = dequant_f16(q, s, bi)
+            raw = np.rint((col - bi) / np.where(s == 0, 1.0, s))
+            clipped += int(np.count_nonzero(((raw < 0) | (raw > q_max[g])) & (s != 0)))
             codes[:, sp, :] = q
             assumed[:, sp, :] = dq
             e = (col - dq) / u[:, p, p][:, None]
@@ -424,6 +429,7 @@ def gptq_core(
         order=np.asarray(order),
         damp_abs=lam,
         extra_damp=extra,
+        clipped=clipped,
     )
 
 
@@ -528,6 +534,7 @@ def gptq_quantize(
         "method": "gptq",
         "damp": damp,
         "extra_damp": res.extra_damp,
+        "clipped_fraction": res.clipped / float(np.prod(shape)),
         "act_order": bool(act_order or mixed),
         "static_groups": static,
         "clip": clip,

@@ -51,6 +51,7 @@ def test_gptq_beats_rounding(layer, desc):
     assert e_plain < e_rtn
     assert e_full < e_clip < e_rtn
     assert full.stats["output_error"] == pytest.approx(e_full, rel=1e-3)
+    assert 0.0 <= full.stats["clipped_fraction"] < 0.5
 
 
 @pytest.mark.parametrize("desc", ["1.0:3b_64g", "0.25:4b_32g/0.75:3b_64g"])
@@ -325,3 +326,13 @@ def test_layer_sequential_on_mlx_lm_layer(tiny_llama, tiny_qwen3_moe, family):
         mods[p].weight = quantize_weight(saved[p], plan[p], clip=False).dequantize()
     err_rtn = layer_err()
     assert err_seq < 0.7 * err_rtn
+
+
+def test_clipped_fraction_counts_weights_outside_the_range():
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((16, 64)) * 0.01).astype(np.float32)
+    w[:, 0] = 1.0  # one huge outlier column: a clipped range cannot hold it
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    x[:, 0] *= 1e-3  # ... and it barely matters to the output, so the search clips it
+    qt = gptq_quantize(w, QuantOption.uniform(2, 64), x.T @ x)
+    assert qt.stats["clipped_fraction"] >= 16 / w.size
