@@ -461,8 +461,9 @@ def quantize_weight(
     for seg, k in zip(option.segments, widths):
         if k == 0:
             continue
-        target = wf[..., start : start + k]
+        target = mx.contiguous(wf[..., start : start + k])  # strided views slow every candidate down
         ws = target.astype(scale_dtype)
+        mx.eval(target, ws)
         if not clip:
             part = mx.quantize(ws, group_size=seg.group_size, bits=seg.bits)
         else:
