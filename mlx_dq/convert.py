@@ -36,6 +36,7 @@ from .capture import GramCollector, iter_batches, quantizable_modules
 from .measurement import Measurement, load_measurement
 from .optimize import Plan, load_plan, optimize, save_plan
 from .options import QuantOption
+from .gptq import DEFAULT_DAMP
 from .quant import QuantizedTensor, output_error, quantize_weight
 
 MANIFEST_NAME = "mlx_dq.json"
@@ -72,7 +73,7 @@ Model, ModelArgs = mixed_model_classes(_CONFIG)
 # --------------------------------------------------------------------------
 def quantize_tensor(
     w: mx.array, option: QuantOption, gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
-    damp: float = 0.01,
+    damp: float = DEFAULT_DAMP,
 ) -> QuantizedTensor:
     """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip."""
     if method not in METHODS:
@@ -237,7 +238,7 @@ def quantize_stream(
     method: str = "gptq",
     sequential: bool = True,
     clip: bool = True,
-    damp: float = 0.01,
+    damp: float = DEFAULT_DAMP,
     batch_size: int = 4,
     progress: bool = True,
     _fail_after_layer: int | None = None,
@@ -358,7 +359,7 @@ def quantize_model(
     method: str = "gptq",
     sequential: bool = True,
     clip: bool = True,
-    damp: float = 0.01,
+    damp: float = DEFAULT_DAMP,
     dtype: str = "float16",
     progress: bool = False,
 ) -> tuple[nn.Module, Any]:
@@ -428,7 +429,7 @@ def convert(
     method: str = "gptq",
     sequential: bool = True,
     clip: bool = True,
-    damp: float = 0.01,
+    damp: float = DEFAULT_DAMP,
     dtype: str = "float16",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     force: bool = False,
