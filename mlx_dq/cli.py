@@ -220,13 +220,10 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
               help="GPTQ error compensation, or round-to-nearest with clip search.")
 @click.option("--no-sequential", is_flag=True, help="Feed each layer the unquantized model's activations.")
 @click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16"]), default="float16", show_default=True,
-              help="Dtype of scales, biases and unquantized tensors.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def convert(model_spec: str, bpw: float | None, output: str, measurement: str | None, plan_path: str | None,
             mlx_lm_compatible: bool, head_option: str, keep: tuple[str, ...], calib: str | None, rows: int,
-            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, dtype: str,
-            force: bool) -> None:
+            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, force: bool) -> None:
     """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads."""
     from mlx_dq.convert import convert as run_convert
 
@@ -237,7 +234,7 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
             model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
             mlx_lm_compatible=mlx_lm_compatible, head_option=None if head_option == "budget" else head_option,
             keep=keep, calib=calib, rows=rows, seq_len=seq_len, seed=seed, method=method,
-            sequential=not no_sequential, clip=not no_clip, dtype=dtype, force=force,
+            sequential=not no_sequential, clip=not no_clip, force=force,
             measure_kwargs={"rows": rows, "seq_len": seq_len},
         )
     except (ValueError, FileExistsError, OSError) as e:

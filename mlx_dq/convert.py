@@ -88,17 +88,21 @@ def quantize_tensor(
 
 
 def tensor_arrays(path: str, qt: QuantizedTensor, dtype: mx.Dtype) -> dict[str, mx.array]:
-    """The arrays stored for module ``path`` quantized as ``qt`` (names as the loading layer expects)."""
+    """The arrays stored for module ``path`` quantized as ``qt`` (names as the loading layer expects).
+
+    Scales and biases keep the 16-bit dtype they were quantized with (the codes
+    were rounded against exactly those values); ``dtype`` applies to 16-bit tensors.
+    """
     if qt.fp is not None:
         return {f"{path}.weight": qt.fp.astype(dtype)}
     if not qt.option.is_mixed:
         w, s, b = qt.parts[0]
-        return {f"{path}.weight": w, f"{path}.scales": s.astype(dtype), f"{path}.biases": b.astype(dtype)}
+        return {f"{path}.weight": w, f"{path}.scales": s, f"{path}.biases": b}
     out = {}
     for i, (w, s, b) in enumerate(qt.parts):
         out[f"{path}.weight_{i}"] = w
-        out[f"{path}.scales_{i}"] = s.astype(dtype)
-        out[f"{path}.biases_{i}"] = b.astype(dtype)
+        out[f"{path}.scales_{i}"] = s
+        out[f"{path}.biases_{i}"] = b
     out[f"{path}.perm"] = mx.array(qt.perm)
     return out
 
@@ -379,7 +383,7 @@ def quantize_model(
     else:
         the_plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
-    out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
+    out_dtype = {"float16": mx.float16}[dtype]
     tokenizer = source.tokenizer()
     texts = calib_mod.load_texts(calib) if calib else calib_mod.default_calibration_texts()
     tokens = calib_mod.sample_rows(tokenizer, texts, rows, seq_len, seed)
@@ -403,8 +407,6 @@ def quantize_model(
         new = mixed_layer_from_quantized(template, qt, prefer_stock=True)
         if "bias" in new:
             new.bias = plain.pop(f"{path}.bias")
-        for k in [k for k in new.keys() if k.startswith(("scales", "biases"))]:
-            new[k] = new[k].astype(out_dtype)
         _set_module(net, path, new)
     if plain:
         net.load_weights(list(plain.items()), strict=False)
@@ -450,9 +452,9 @@ def convert(
     t_start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(dtype)
-    if out_dtype is None:
-        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
+    out_dtype = {"float16": mx.float16}.get(dtype)
+    if out_dtype is None:  # scales and biases are float16 (the codes are rounded against them)
+        raise ValueError(f"dtype must be float16 (bfloat16 outputs are not supported yet), got {dtype!r}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FileExistsError(f"{out} already exists and is not empty; pass force=True (--force) to replace it")
@@ -497,7 +499,7 @@ def convert(
             records[path] = _record(qt, gram, w, arrays)
 
         files = writer.close()
-        config = _output_config(source.config, qconf, mixed, out_dtype)
+        config = _output_config(source.config, qconf, mixed)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if mixed:
             (tmp / MODEL_FILE).write_text(MODEL_FILE_TEXT)
@@ -525,10 +527,10 @@ def convert(
     return manifest
 
 
-def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: mx.Dtype) -> dict:
+def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict]) -> dict:
     """config.json for the output: source config + mlx-lm ``quantization`` (+ ``model_file`` and mixed layers)."""
     config = {k: v for k, v in src.items() if k not in ("quantization", "quantization_config", "model_file")}
-    config["torch_dtype"] = "float16" if dtype == mx.float16 else "bfloat16"
+    config["torch_dtype"] = "float16"
     if qconf:
         weight = {}
         for e in qconf.values():
