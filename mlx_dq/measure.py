@@ -21,6 +21,14 @@ comparable across layers by an *importance* per tensor, defined so that
   channels hide the damage of every layer after them. The embedding's lookup
   output is the residual stream at layer 0 (same definition); the head's output
   is the logits (importance 1; the head is budgeted apart from the layers).
+
+  Evidence (``benchmarks/measure_importance.py`` on SmolLM2-135M, 35 tensors of
+  layers 0/7/15/22/29 at their reference option, KL on 2 x 256 held-out
+  tokens): Spearman rank correlation with the end-to-end KL is 0.92 for
+  ``importance * err**2``, 0.48 for ``err**2`` alone and 0.57 when the damage is
+  taken relative to the plain output norm; the KL / prediction ratio stays
+  within 0.20..0.38 for 80% of the tensors. It costs a few reruns of each layer
+  on ``importance_rows`` rows (about as long as measuring the options).
 - ``"kl"`` (opt-in, needs the whole model in memory): the end-to-end KL
   divergence of the next-token distribution when only that tensor is quantized
   at the reference option, divided by its squared error.
