@@ -313,3 +313,12 @@ def test_reference_option_falls_back_to_nearest_fitting():
     assert reference_option(opts, 128).desc == "1.0:3b_64g"
     assert reference_option(opts, 96).desc == "1.0:2b_32g"  # 3b_64g (3.5 bpw) does not fit; 2b_32g is 3.0, 4b_32g 5.0
     assert reference_option(opts[2:], 96).keep16
+
+
+def test_kl_importance_mode(folders, grid_file):
+    m = _run(folders["llama"], grid_file, importance="kl", importance_rows=2)
+    for key in ("model.layers.1.mlp.down_proj", "lm_head", "model.embed_tokens"):
+        t = m.tensors[key]
+        det = t.extra["importance_detail"]
+        assert det["kl"] > 0 and t.importance == pytest.approx(det["kl"] / det["err"] ** 2)
+    assert m.extra["importance"]["method"] == "kl"
