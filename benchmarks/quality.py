@@ -117,7 +117,7 @@ def goal_check(rows: list[dict]) -> list[str]:
         return []
     top = max(float(r["bpw"]) for f in families for r in dq[f])
     low = min(float(r["bpw"]) for f in families for r in dq[f])
-    lm = sorted((r for r in rows if r["family"].startswith("mlx-lm") and low - 1e-9 <= float(r["bpw"]) <= top + 1e-9),
+    lm = sorted((r for r in rows if r["family"].startswith("mlx-lm") and low - 0.01 <= float(r["bpw"]) <= top + 0.01),
                 key=lambda r: float(r["bpw"]))
     head = "| mlx-lm | bpw | KL | " + " | ".join(f"{f} (bpw, KL, ratio)" for f in families) + " |"
     out = ["", "Goal check: every mlx-lm row inside mlx-dq's bpw range against the mlx-dq row with the most bits "
