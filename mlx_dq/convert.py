@@ -28,7 +28,6 @@ from typing import Any, Iterable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 

@@ -70,7 +70,7 @@ from tqdm import tqdm
 from .capture import GramCollector, InputStats, iter_batches, quantizable_modules
 from .measurement import Measurement, TensorRecord, load_measurement, save_measurement
 from .options import QuantOption
-from .quant import output_error, quantize_weight, weight_error
+from .quant import output_error, quantize_weight
 
 DEFAULT_ROWS = 16
 DEFAULT_SEQ_LEN = 512
