@@ -209,6 +209,8 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Apply this plan as is (skips measuring and optimizing).")
 @click.option("--mlx-lm-compatible", is_flag=True, help="Whole-tensor options only: loads in stock mlx-lm.")
+@click.option("--promote-mixed", is_flag=True,
+              help="Store mixed tensors (natural channel order) losslessly as uniform ones: stock-loadable, larger.")
 @click.option("--head-option", default="budget", show_default=True,
               help="Option for embedding/head outside the budget, or 'budget' to plan them with the rest.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
@@ -222,7 +224,7 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 def convert(model_spec: str, bpw: float | None, output: str, measurement: str | None, plan_path: str | None,
-            mlx_lm_compatible: bool, head_option: str, keep: tuple[str, ...], calib: str | None, rows: int,
+            mlx_lm_compatible: bool, promote_mixed: bool, head_option: str, keep: tuple[str, ...], calib: str | None, rows: int,
             seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, force: bool) -> None:
     """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads."""
     from mlx_dq.convert import convert as run_convert
@@ -232,7 +234,8 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
     try:
         manifest = run_convert(
             model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
-            mlx_lm_compatible=mlx_lm_compatible, head_option=None if head_option == "budget" else head_option,
+            mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed,
+            head_option=None if head_option == "budget" else head_option,
             keep=keep, calib=calib, rows=rows, seq_len=seq_len, seed=seed, method=method,
             sequential=not no_sequential, clip=not no_clip, force=force,
             measure_kwargs={"rows": rows, "seq_len": seq_len},

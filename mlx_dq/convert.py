@@ -36,7 +36,7 @@ from .measurement import Measurement, load_measurement
 from .optimize import Plan, load_plan, optimize, save_plan
 from .options import QuantOption
 from .gptq import DEFAULT_DAMP
-from .quant import QuantizedTensor, output_error, quantize_weight
+from .quant import QuantizedTensor, output_error, promote_to_uniform, quantize_weight
 
 MANIFEST_NAME = "mlx_dq.json"
 MANIFEST_SCHEMA = "mlx_dq.manifest"
@@ -73,17 +73,25 @@ Model, ModelArgs = mixed_model_classes(_CONFIG)
 def quantize_tensor(
     w: mx.array, option: QuantOption, gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
     damp: float = DEFAULT_DAMP,
+    promote: bool = False,
 ) -> QuantizedTensor:
-    """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip."""
+    """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip.
+
+    ``promote`` quantizes a mixed option in natural channel order and rewrites it
+    losslessly as one uniform tensor at its highest width (stock-loadable).
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if option.keep16:
         return quantize_weight(w, option)
+    natural = promote and option.is_mixed
     if method == "gptq" and gram is not None:
         from .gptq import gptq_quantize
 
-        return gptq_quantize(w, option, gram, damp=damp, clip=clip)
-    return quantize_weight(w, option, gram=gram, clip=clip)
+        qt = gptq_quantize(w, option, gram, damp=damp, clip=clip, natural_order=natural)
+    else:
+        qt = quantize_weight(w, option, gram=gram, clip=clip, natural_order=natural)
+    return promote_to_uniform(qt) if natural else qt
 
 
 def tensor_arrays(path: str, qt: QuantizedTensor, dtype: mx.Dtype) -> dict[str, mx.array]:
@@ -242,6 +250,7 @@ def quantize_stream(
     sequential: bool = True,
     clip: bool = True,
     damp: float = DEFAULT_DAMP,
+    promote_mixed: bool = False,
     batch_size: int = 4,
     progress: bool = True,
     _fail_after_layer: int | None = None,
@@ -273,7 +282,8 @@ def quantize_stream(
             st = stats.get(path)
             gram = st.gram if st is not None else None
             w = mod.weight
-            qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=method, clip=clip, damp=damp)
+            qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=method, clip=clip, damp=damp,
+                                 promote=promote_mixed)
             yield path, mod, qt, gram, w
 
     _load_into(net, dict(source.other_weights()))
@@ -421,6 +431,7 @@ def convert(
     plan: Plan | str | Path | dict | None = None,
     measurement: Measurement | str | Path | None = None,
     mlx_lm_compatible: bool = False,
+    promote_mixed: bool = False,
     head_option: str | None = None,
     keep: Iterable[str] = (),
     calib: str | Path | None = None,
@@ -478,7 +489,8 @@ def convert(
         mixed: dict[str, dict] = {}
         qconf: dict[str, dict] = {}
         stream = quantize_stream(source, options, tokens, method=method, sequential=sequential, clip=clip,
-                                 damp=damp, progress=progress, _fail_after_layer=_fail_after_layer)
+                                 damp=damp, promote_mixed=promote_mixed, progress=progress,
+                                 _fail_after_layer=_fail_after_layer)
         other_bytes = 0
         for item in stream:
             if isinstance(item, dict):  # parameters that stay as they are (norms, biases)
@@ -513,6 +525,7 @@ def convert(
             calib={"source": str(calib) if calib else "default", "rows": rows, "seq_len": seq_len, "seed": seed,
                    "text_digest": calib_mod.text_digest(texts)},
             settings={"method": method, "sequential": sequential, "clip": clip, "damp": damp, "dtype": dtype,
+                      "promote_mixed": promote_mixed,
                       "mlx_lm_compatible": mlx_lm_compatible, "head_option": head_option},
             seconds=time.perf_counter() - t_start,
         )

@@ -450,6 +450,7 @@ def gptq_quantize(
     scale_weight: str = "diag",
     error_stats: bool = True,
     factor_cache: dict | None = None,
+    natural_order: bool = False,
 ) -> QuantizedTensor:
     """Quantize ``w`` with ``option`` by GPTQ error compensation against the input Gram ``gram``.
 
@@ -488,8 +489,8 @@ def gptq_quantize(
 
     mixed = option.is_mixed
     energy = energy_order(in_f, g3)
-    if mixed:
-        order, process, static = energy, None, False
+    if mixed:  # the processing order is also the segment assignment and the stored permutation
+        order, process, static = (np.arange(in_f) if natural_order else energy), None, False
     elif act_order:
         order, static = np.arange(in_f), True
         process = energy

@@ -402,18 +402,19 @@ def default_clip_factors(bits: int) -> tuple[float, ...]:
 
 
 def permute_inputs(
-    w: mx.array, gram: mx.array | None, option: QuantOption
+    w: mx.array, gram: mx.array | None, option: QuantOption, natural_order: bool = False
 ) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
     """Weight ``[B, R, in]`` (float32) and Gram ``[Bg, in, in]`` in the order the option stores them.
 
-    Mixed options use act-order (:func:`act_order`) and return the stored
-    permutation (uint16 or uint32); uniform options keep the order (``None``).
+    Mixed options use act-order (:func:`act_order`; the identity with
+    ``natural_order``) and return the stored permutation (uint16 or uint32);
+    uniform options keep the order (``None``).
     """
     wf = w.astype(mx.float32)
     if not option.is_mixed:
         return wf, gram, None
     in_f = int(w.shape[-1])
-    order = act_order(in_f, gram)
+    order = np.arange(in_f) if natural_order else act_order(in_f, gram)
     idx = mx.array(order.astype(np.int32))
     wf = mx.take(wf, idx, axis=-1)
     if gram is not None:
@@ -436,6 +437,7 @@ def quantize_weight(
     *,
     clip_factors: Sequence[float] | None = None,
     clip_metric: str = "block",
+    natural_order: bool = False,
 ) -> QuantizedTensor:
     """Quantize ``w`` (``[out, in]`` or expert bank ``[E, out, in]``) with ``option``.
 
@@ -445,6 +447,7 @@ def quantize_weight(
     without ``gram``); ``clip_factors`` defaults to :data:`DEFAULT_CLIP_FACTORS`
     (:data:`LOW_BIT_CLIP_FACTORS` for 2-bit segments). Without ``clip`` every
     part equals ``mx.quantize`` of the weight cast to ``scale_dtype``.
+    ``natural_order`` keeps mixed segments in channel order (see :func:`promote_to_uniform`).
     """
     shape = tuple(int(d) for d in w.shape)
     if option.keep16:
@@ -453,7 +456,7 @@ def quantize_weight(
         raise ValueError(f"clip metric must be one of {CLIP_METRICS}, got {clip_metric!r}")
     w3, g3 = _as_banks(w, gram)
     widths = option.split(shape[-1])
-    wf, g3, perm = permute_inputs(w3, g3, option)
+    wf, g3, perm = permute_inputs(w3, g3, option, natural_order)
     qt = QuantizedTensor(option, shape, perm=perm)
     base_total = best_total = 0.0
     clipped = 0
@@ -496,3 +499,31 @@ def quantize_weight(
             "clip_metric": clip_metric if gram is not None else "weight",
         }
     return qt
+
+
+def promote_to_uniform(qt: QuantizedTensor) -> QuantizedTensor:
+    """Rewrite a natural-order mixed tensor losslessly as one uniform MLX tensor (stock-loadable, larger).
+
+    Codes are re-packed at the highest width and each segment's scales and biases
+    repeated for the smallest group size, so the stored values dequantize to the
+    same weight. A tensor stored with a non-identity permutation cannot be
+    promoted (stock MLX has no input permutation): quantize it with
+    ``natural_order=True``.
+    """
+    if not qt.option.is_mixed or not qt.parts:
+        return qt
+    in_f = qt.shape[-1]
+    if qt.perm is not None and not np.array_equal(qt.perm.astype(np.int64), np.arange(in_f)):
+        raise ValueError(f"{qt.option.desc}: an act-ordered mixed tensor cannot be promoted losslessly")
+    bits, group = max(qt.bits), min(qt.group_sizes)
+    codes, scales, biases = [], [], []
+    for (w, s, b), k, nb, g in zip(qt.parts, qt.widths, qt.bits, qt.group_sizes):
+        codes.append(unpack_codes(w, nb, k))
+        scales.append(mx.repeat(s, g // group, axis=-1))
+        biases.append(mx.repeat(b, g // group, axis=-1))
+    packed = mx.array(pack_codes(np.concatenate(codes, axis=-1), bits))
+    stats = dict(qt.stats, promoted_from=qt.option.desc)
+    out = QuantizedTensor(QuantOption.uniform(bits, group), qt.shape, stats=stats)
+    out.parts = [(packed, mx.concatenate(scales, axis=-1), mx.concatenate(biases, axis=-1))]
+    out.widths, out.bits, out.group_sizes = [in_f], [bits], [group]
+    return out

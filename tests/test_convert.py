@@ -131,3 +131,42 @@ def test_read_manifest_rejects_foreign_json(tmp_path):
     (tmp_path / "mlx_dq.json").write_text(json.dumps({"schema": "dynquant_checkpoint_v2"}))
     with pytest.raises(ValueError, match="not an mlx-dq manifest"):
         read_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_promoted_mixed_tensors_are_lossless_and_uniform(method):
+    from mlx_dq.options import QuantOption
+    from mlx_dq.convert import quantize_tensor
+
+    mx.random.seed(3)
+    w = mx.random.normal((64, 256))
+    x = mx.random.normal((512, 256))
+    gram = x.T @ x
+    for desc in ["0.25:4b_32g/0.75:3b_64g", "0.5:6b_64g/0.5:2b_32g"]:
+        opt = QuantOption.parse(desc)
+        mixed = quantize_tensor(w, opt, gram, method=method)
+        promoted = quantize_tensor(w, opt, gram, method=method, promote=True)
+        assert not promoted.option.is_mixed and promoted.perm is None
+        assert promoted.option.segments[0].bits == opt.segments[0].bits
+        assert promoted.nbytes() * 8 == promoted.option.storage_bits(w.shape)
+        assert promoted.stats["promoted_from"] == desc
+        # the same weight as the natural-order mixed tensor it came from, bit for bit
+        from mlx_dq.quant import quantize_weight
+        if method == "rtn":
+            natural = quantize_weight(w, opt, gram, natural_order=True)
+            assert mx.array_equal(promoted.dequantize(), natural.dequantize()).item()
+        assert mixed.perm is not None
+
+
+def test_promote_mixed_output_loads_in_plain_mlx_lm(tiny_llama, tmp_path):
+    recipe = _recipe(tiny_llama, _mixed_everywhere)
+    out = tmp_path / "promoted"
+    manifest = convert(str(tiny_llama), out, plan=recipe, promote_mixed=True, **CALIB)
+    config = json.loads((out / "config.json").read_text())
+    assert "model_file" not in config and not manifest["mixed_modules"]
+    promoted = {k: r for k, r in manifest["modules"].items() if recipe[k] != r["option"]}
+    assert promoted and all(r["option"] == "1.0:4b_32g" for r in promoted.values())
+    model, _ = mlx_lm.load(str(out))
+    assert np.isfinite(_logits(model)).all()
+    acc = manifest["accounting"]
+    assert acc["predicted_bytes"] == acc["array_bytes"]
