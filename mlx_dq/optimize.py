@@ -591,6 +591,17 @@ def optimize(
 
 
 # --------------------------------------------------------------------------- baselines
+def _build_from_options(measurement: Measurement, target_bpw: float, kw: dict[str, Any]) -> _Problem:
+    """The knapsack problem from :func:`optimize`'s keyword options (for the baselines, which take the same ones)."""
+    kw = dict(kw)
+    p = _build(measurement, target_bpw, kw.pop("head_option", DEFAULT_HEAD_OPTION), kw.pop("keep", ()),
+               kw.pop("keep_most_sensitive", None), kw.pop("parts", None), kw.pop("mlx_lm_compatible", False),
+               kw.pop("err_power", 2.0))
+    if kw:
+        raise TypeError(f"unexpected arguments: {sorted(kw)}")
+    return p
+
+
 def greedy_single_pass(measurement: Measurement, target_bpw: float, **kw: Any) -> Plan:
     """Baseline: a single greedy pass with no backtracking.
 
@@ -598,12 +609,7 @@ def greedy_single_pass(measurement: Measurement, target_bpw: float, **kw: Any) -
     until no upgrade fits.
     """
     t0 = time.perf_counter()
-    err_power = kw.pop("err_power", 2.0)
-    p = _build(measurement, target_bpw, kw.pop("head_option", DEFAULT_HEAD_OPTION), kw.pop("keep", ()),
-               kw.pop("keep_most_sensitive", None), kw.pop("parts", None), kw.pop("mlx_lm_compatible", False),
-               err_power)
-    if kw:
-        raise TypeError(f"unexpected arguments: {sorted(kw)}")
+    p = _build_from_options(measurement, target_bpw, kw)
     _check_range(p)
     choice = [int(np.argmin(np.where(it.bits == it.bits.min(), it.damage, np.inf))) for it in p.items]
     used = sum(int(it.bits[j]) for it, j in zip(p.items, choice))
@@ -679,12 +685,7 @@ def dynamic_quant_threshold(
     threshold is set exactly: the most sensitive tensors go high while the plan fits.
     """
     t0 = time.perf_counter()
-    err_power = kw.pop("err_power", 2.0)
-    p = _build(measurement, target_bpw, kw.pop("head_option", DEFAULT_HEAD_OPTION), kw.pop("keep", ()),
-               kw.pop("keep_most_sensitive", None), kw.pop("parts", None), kw.pop("mlx_lm_compatible", False),
-               err_power)
-    if kw:
-        raise TypeError(f"unexpected arguments: {sorted(kw)}")
+    p = _build_from_options(measurement, target_bpw, kw)
     lo_opt = QuantOption.uniform(low_bits, low_group_size)
     hi_opt = QuantOption.uniform(high_bits, high_group_size)
     low_x = [_nearest_choice(it, lo_opt) for it in p.items]
