@@ -60,7 +60,27 @@ BUNDLED_NOTES = [
     "SmolLM2 ties the head to the embedding: mlx-lm's mixed_* recipes give lm_head the high width, "
     "but a tied model has no lm_head, so its embedding/head takes the low width.",
 ]
-FIELDS = ["family", "method", "bpw", "kl", "kl_max", "top1", "perplexity", "size_mb", "build_s", "eval_s", "notes"]
+FIELDS = ["family", "method", "bpw", "kl", "kl_max", "top1", "perplexity", "size_mb", "build_s", "eval_s", "notes",
+          "measure_s", "version"]
+RTN_TARGETS = (3.0, 4.0)  # mlx-dq without error compensation (measured and converted with rounding + clip)
+
+
+def code_version(family: str) -> str:
+    """What a row was built with: mlx-lm's version for its rows, a digest of mlx-dq's code for mlx-dq rows.
+
+    ``--resume`` keeps a row only when this still matches, so rows from older code are rebuilt.
+    """
+    import hashlib
+    from importlib.metadata import version
+
+    if not family.startswith("mlx-dq"):
+        return f"mlx-lm {version('mlx-lm')}, mlx {mx.__version__}"
+    root = Path(__file__).resolve().parents[1] / "mlx_dq"
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".json") and "__pycache__" not in f.parts:
+            h.update(f.relative_to(root).as_posix().encode() + f.read_bytes())
+    return f"mlx-dq {h.hexdigest()[:12]}"
 
 
 @dataclass
@@ -69,7 +89,7 @@ class Variant:
 
     family: str
     name: str
-    build: Callable[[], tuple[nn.Module, str | None]]
+    build: Callable[[], tuple[nn.Module, dict | None]]
     notes: str = ""
 
 
@@ -88,7 +108,8 @@ def _read_existing(csv_path: Path, key: str) -> dict[str, dict]:
     if not csv_path.exists() or not meta.exists() or meta.read_text() != key:
         return {}
     with csv_path.open() as f:
-        return {r["method"]: r for r in csv.DictReader(f)}
+        rows = list(csv.DictReader(f))
+    return {r["method"]: r for r in rows if r["family"] == "source" or r.get("version") == code_version(r["family"])}
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -111,7 +132,7 @@ def goal_check(rows: list[dict]) -> list[str]:
 
     That is the goal "mlx-dq's KL is below every mlx-lm method at equal or higher bpw", read where both exist.
     """
-    families = sorted({r["family"] for r in rows if r["family"].startswith("mlx-dq")})
+    families = sorted({r["family"] for r in rows if r["family"].startswith("mlx-dq") and "no compensation" not in r["family"]})
     dq = {f: sorted((r for r in rows if r["family"] == f), key=lambda r: float(r["bpw"])) for f in families}
     if not dq:
         return []
@@ -133,6 +154,29 @@ def goal_check(rows: list[dict]) -> list[str]:
             else:
                 cells.append("")
         out.append(f"| {r['method']} | {float(r['bpw']):.3f} | {float(r['kl']):.5f} | " + " | ".join(cells) + " |")
+    return out
+
+
+def compensation_check(rows: list[dict]) -> list[str]:
+    """Markdown lines: mlx-dq with error compensation (GPTQ) against the same pipeline with rounding, per target."""
+    by = {r["method"]: r for r in rows}
+    pairs = []
+    for r in rows:
+        if r["family"] == "mlx-dq (no compensation)":
+            t = r["method"].rsplit("@", 1)[1]
+            if f"mlx-dq @{t}" in by:
+                pairs.append((float(t), by[f"mlx-dq @{t}"], r))
+    if not pairs:
+        return []
+    out = ["", "Error compensation: mlx-dq measured and quantized with GPTQ (default) against rounding + clip search "
+           "(`--method rtn` on measure and convert), same targets. Times: quantizing the model (in memory) and, "
+           "once per method, measuring it.", "",
+           "| target | KL rounding | KL GPTQ | KL change | quantize s rounding | quantize s GPTQ | measure s rounding "
+           "| measure s GPTQ |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for t, g, n in sorted(pairs, key=lambda p: p[0]):
+        kg, kn = float(g["kl"]), float(n["kl"])
+        out.append(f"| {t:g} | {kn:.5f} | {kg:.5f} | {100 * (kg - kn) / kn:+.1f}% | {float(n['build_s']):.0f} | "
+                   f"{float(g['build_s']):.0f} | {_fmt(n, 'measure_s', '.0f')} | {_fmt(g, 'measure_s', '.0f')} |")
     return out
 
 
@@ -160,6 +204,7 @@ def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
             f"{_fmt(r, 'top1', '.4f')} | {_fmt(r, 'perplexity', '.3f')} | {_fmt(r, 'size_mb', '.1f')} |"
         )
     lines += goal_check(rows)
+    lines += compensation_check(rows)
     lines += ["", "Notes:", ""]
     lines += [f"- {n}" for n in info["notes"]]
     compute = sum(float(r.get("build_s") or 0) + float(r.get("eval_s") or 0) for r in rows) / 60
@@ -193,6 +238,7 @@ def write_plot(path: Path, rows: list[dict], base_ppl: float, title: str) -> Non
         "mlx-lm dynamic_quant": ("tab:orange", "D", ""),
         "mlx-dq": ("tab:red", "*", "-"),
         "mlx-dq --mlx-lm-compatible": ("tab:green", "P", "-"),
+        "mlx-dq (no compensation)": ("tab:brown", "x", ":"),
     }
     for fam, pts in sorted(series.items()):
         pts.sort()
@@ -268,56 +314,61 @@ def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache:
         yield from part
 
 
-def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, calib_seq: int, cache: Path,
-                    tmp: Path, methods: tuple[str, ...] = ("gptq",), head_option: str | None = None,
-                    modes: tuple[str, ...] = ("mixed", "compatible")) -> Iterator[Variant]:
-    """mlx-dq at each target, mixed-proportion and --mlx-lm-compatible: measure -> optimize -> quantize.
+def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: tuple[str, ...] = ("mixed", "compatible"),
+                    rtn_targets: tuple[float, ...] = RTN_TARGETS, head_option: str | None = None,
+                    calib_rows: int | None = None, calib_seq: int | None = None) -> Iterator[Variant]:
+    """mlx-dq at each target as a user gets it: ``measure`` -> ``optimize`` -> ``quantize_model``, library defaults.
 
+    Mixed-proportion and ``--mlx-lm-compatible`` plans with error compensation (GPTQ, the default), then
+    the same pipeline without it (measured and quantized with rounding + clip) at ``rtn_targets``.
     ``head_option`` None puts embedding and head in the bpw budget (so the target is the total bpw).
-    Quantizes in memory with ``mlx_dq.convert.quantize_model`` (the converter's own arithmetic); falls back
-    to writing a folder with ``convert`` and loading it with ``mlx_dq.load`` when that is missing.
+    ``calib_rows``/``calib_seq`` None: the measurer's and converter's own defaults. Quantizes in memory
+    with ``mlx_dq.convert.quantize_model`` (the converter's own arithmetic).
     """
-    try:
-        from mlx_dq import convert as conv
-        from mlx_dq.measure import measure
-        from mlx_dq.optimize import optimize
-    except ImportError as e:
-        print(f"NOTE: mlx-dq rows skipped: the pipeline is not available in this version ({e})", flush=True)
-        return
+    from mlx_dq import convert as conv
+    from mlx_dq import measure as meas
+    from mlx_dq.optimize import optimize
+
     state: dict = {}
 
-    def measurement():
-        if "m" not in state:
-            path = cache / f"{_tag(spec)}.measurement.r{calib_rows}x{calib_seq}.json"
+    def measurement(method: str):
+        if method not in state:
+            rows = calib_rows or meas.DEFAULT_ROWS
+            seq = calib_seq or meas.DEFAULT_SEQ_LEN
+            path = cache / f"{_tag(spec)}.measurement.{method}.r{rows}x{seq}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
+            kw = dict(rows=rows, seq_len=seq, method=method, out_path=path, progress=True)
             try:
-                state["m"] = measure(spec, rows=calib_rows, seq_len=calib_seq, out_path=path, progress=True)
+                state[method] = meas.measure(spec, **kw)
             except ValueError as e:  # a cached file from other settings or another version: measure afresh
                 print(f"  {e}: measuring again", flush=True)
-                state["m"] = measure(spec, rows=calib_rows, seq_len=calib_seq, out_path=path, resume=False,
-                                     progress=True)
-            print(f"  measurement ({path.name}): {time.perf_counter() - t0:.0f} s", flush=True)
-        return state["m"]
+                state[method] = meas.measure(spec, resume=False, **kw)
+            secs = time.perf_counter() - t0
+            state[method + "_s"] = secs
+            print(f"  measurement ({path.name}): {secs:.0f} s", flush=True)
+        return state[method]
 
-    def build(target: float, compatible: bool, method: str) -> tuple[nn.Module, str | None]:
-        plan = optimize(measurement(), target, mlx_lm_compatible=compatible, head_option=head_option)
-        kw = dict(rows=calib_rows, seq_len=calib_seq, method=method)
-        if hasattr(conv, "quantize_model"):
-            return conv.quantize_model(spec, plan, **kw)[0], None
-        from mlx_dq.loader import load as dq_load
+    def build(target: float, compatible: bool, method: str) -> tuple[nn.Module, dict]:
+        first = method not in state
+        m = measurement(method)
+        plan = optimize(m, target, mlx_lm_compatible=compatible, head_option=head_option)
+        kw = {"method": method}
+        if calib_rows:
+            kw.update(rows=calib_rows, seq_len=calib_seq or conv.DEFAULT_SEQ_LEN)
+        # measuring time is reported apart (from the file: also right when it came from the cache)
+        extra = {"measure_s": m.extra.get("timing", {}).get("total_s") or 0.0,
+                 "spent_measuring_s": state[method + "_s"] if first else 0.0}
+        return conv.quantize_model(spec, plan, **kw)[0], extra
 
-        out = tmp / f"dq-{target:g}-{'compat' if compatible else 'mixed'}-{method}"
-        conv.convert(spec, out, plan=plan, force=True, progress=False, **kw)
-        return dq_load(out)[0], str(out)
-
-    for method in methods:
-        for compatible in [m == "compatible" for m in modes]:
-            family = "mlx-dq --mlx-lm-compatible" if compatible else "mlx-dq"
-            suffix = "" if method == "gptq" else f" ({method})"
-            for t in targets:
-                yield Variant(family + suffix, f"{family}{suffix} @{t:g}",
-                              lambda t=t, c=compatible, m=method: build(t, c, m), f"target {t:g} bpw, {method}")
+    runs = [("gptq", m == "compatible", t) for m in modes for t in targets]
+    runs += [("rtn", False, t) for t in rtn_targets]
+    for method, compatible, t in runs:
+        family = "mlx-dq --mlx-lm-compatible" if compatible else "mlx-dq"
+        suffix = "" if method == "gptq" else " (no compensation)"
+        yield Variant(family + suffix, f"{family}{suffix} @{t:g}",
+                      lambda t=t, c=compatible, m=method: build(t, c, m),
+                      f"target {t:g} bpw, {'GPTQ' if method == 'gptq' else 'rounding + clip'}")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -327,12 +378,15 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, cali
 @click.option("--batch-size", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--calib-rows", default=8, show_default=True, type=click.IntRange(min=1),
-              help="Calibration rows for dynamic_quant and the mlx-dq measurement/convert.")
+              help="Calibration rows for mlx-lm's dynamic_quant sensitivities.")
 @click.option("--calib-seq-len", default=256, show_default=True, type=click.IntRange(min=2))
 @click.option("--targets", default=",".join(f"{t:g}" for t in MLX_DQ_TARGETS), show_default=True,
               help="mlx-dq bpw targets, comma separated.")
-@click.option("--dq-methods", default="gptq", show_default=True,
-              help="mlx-dq quantizers to run, comma separated (gptq: error compensation; rtn: rounding + clip).")
+@click.option("--dq-calib-rows", default=None, type=click.IntRange(min=1),
+              help="Calibration rows for the mlx-dq measurement and quantization [default: mlx-dq's own defaults].")
+@click.option("--dq-calib-seq-len", default=None, type=click.IntRange(min=2))
+@click.option("--rtn-targets", default=",".join(f"{t:g}" for t in RTN_TARGETS), show_default=True,
+              help="bpw targets for mlx-dq without error compensation (rounding + clip), comma separated; '' for none.")
 @click.option("--dq-modes", default="mixed,compatible", show_default=True,
               help="mlx-dq plans to run: mixed (mixed-proportion options allowed), compatible (--mlx-lm-compatible).")
 @click.option("--head-option", default="budget", show_default=True,
@@ -345,14 +399,17 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], calib_rows: int, cali
               help="Also take rows from another run's quality.csv (same evaluation settings); repeatable.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True)
 def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_rows: int, calib_seq_len: int,
-         targets: str, dq_methods: str, dq_modes: str, head_option: str, only: str, resume: bool,
+         targets: str, dq_calib_rows: int | None, dq_calib_seq_len: int | None, rtn_targets: str, dq_modes: str,
+         head_option: str, only: str, resume: bool,
          merge: tuple[str, ...], out_dir: Path) -> None:
     """Build and evaluate every mlx-lm method and mlx-dq on the same evaluation rows; write CSV, markdown, PNG."""
     t_start = time.perf_counter()
     try:
         dq_targets = tuple(float(t) for t in targets.split(",") if t.strip())
+        rtn = tuple(float(t) for t in rtn_targets.split(",") if t.strip())
     except ValueError:
-        raise click.BadParameter(f"not a list of numbers: {targets!r}", param_hint="--targets") from None
+        raise click.BadParameter(f"not a list of numbers: {targets!r} / {rtn_targets!r}",
+                                 param_hint="--targets / --rtn-targets") from None
     bad = [m for m in dq_modes.split(",") if m.strip() not in ("mixed", "compatible")]
     if bad:
         raise click.BadParameter(f"unknown mode(s) {bad}: use mixed and/or compatible", param_hint="--dq-modes")
@@ -399,26 +456,28 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
         if only in ("all", "mlx-lm"):
             variants.append(mlx_lm_variants(model, config, c_rows, cache, spec))
         if only in ("all", "mlx-dq"):
-            methods = tuple(m.strip() for m in dq_methods.split(",") if m.strip())
-            variants.append(mlx_dq_variants(spec, dq_targets, calib_rows, calib_seq_len, cache, Path(tmp), methods,
+            variants.append(mlx_dq_variants(spec, dq_targets, cache,
+                                            tuple(m.strip() for m in dq_modes.split(",") if m.strip()), rtn,
                                             None if head_option == "budget" else head_option,
-                                            tuple(m.strip() for m in dq_modes.split(",") if m.strip())))
+                                            dq_calib_rows, dq_calib_seq_len))
         for group in variants:
             for v in group:
                 if v.name in done:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    q, folder = v.build()
+                    q, extra = v.build()
                 except (ValueError, NotImplementedError, TypeError, AttributeError, ImportError, RuntimeError) as e:
                     print(f"NOTE: {v.name} skipped: {type(e).__name__}: {e}", flush=True)
                     continue
                 t1 = time.perf_counter()
+                extra = extra or {}
                 r = evaluate.evaluate_model(q, eval_rows, base=ref(), batch_size=batch_size)
                 row = {"family": v.family, "method": v.name, "bpw": r["bits_per_weight"], "kl": r["kl"],
                        "kl_max": r["kl_max"], "top1": r["top1"], "perplexity": r["perplexity"],
-                       "size_mb": r["size_bytes"] / 1e6, "build_s": t1 - t0,
-                       "eval_s": time.perf_counter() - t1, "notes": v.notes}
+                       "size_mb": r["size_bytes"] / 1e6, "build_s": t1 - t0 - extra.get("spent_measuring_s", 0.0),
+                       "eval_s": time.perf_counter() - t1, "notes": v.notes,
+                       "measure_s": extra.get("measure_s", ""), "version": code_version(v.family)}
                 results.append(row)
                 _write_csv(csv_path, results)
                 print(f"{v.name:42s} bpw {row['bpw']:.3f}  KL {row['kl']:.5f}  top-1 {row['top1']:.4f}  "
@@ -437,10 +496,14 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
             f"dynamic_quant: mlx-lm's estimate_sensitivities and estimate_threshold on our calibration text "
             f"({calib_rows} rows x {calib_seq_len} tokens, not its own download), levels and targets in the "
             "method name (4b64/5b64 @5.0 is its default).",
-            f"mlx-dq rows: measure -> optimize -> quantize ({dq_methods}; the converter's streamed arithmetic, "
-            f"in memory), with the same calibration rows; embedding/head: "
+            "mlx-dq rows: measure -> optimize -> quantize with mlx-dq's defaults (the converter's streamed "
+            "arithmetic, in memory; calibration "
+            + (f"{dq_calib_rows} rows x {dq_calib_seq_len or 'default'} tokens"
+               if dq_calib_rows else "16 x 512 tokens to measure, 32 x 512 to quantize")
+            + " of mlx-dq's calibration text); embedding/head: "
             f"{'chosen by the optimizer inside the target' if head_option == 'budget' else head_option}; "
-            "`--mlx-lm-compatible` plans use whole-tensor options only.",
+            "`--mlx-lm-compatible` plans use whole-tensor options only; '(no compensation)' rows are measured "
+            "and quantized by rounding + clip search instead of GPTQ.",
         ],
     )
     write_markdown(out_dir / "quality.md", results, info)

@@ -95,21 +95,29 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
 @click.option("--grid", default=None, help="Option grid: a built-in name (default, fast) or a JSON file.")
 @click.option("--importance", type=click.Choice(["residual", "kl", "none"]), default="residual", show_default=True,
               help="How errors are made comparable across tensors (kl needs the whole model in memory).")
-@click.option("--clip/--no-clip", default=False, show_default=True,
-              help="Measure with the per-group clip search (lower errors, about 5x slower).")
+@click.option("--method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+              help="Quantizer whose errors are measured: gptq (error compensation, what convert does by default) "
+                   "or rtn (rounding; about 3x faster).")
+@click.option("--clip/--no-clip", default=None,
+              help="Measure with the per-group clip search [default: on with gptq, off with rtn].")
+@click.option("--kl-scale/--no-kl-scale", default=True, show_default=True,
+              help="Scale importance to KL divergence (a few perturbed copies carried to the logits) and measure "
+                   "the head's options end to end.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Measurement JSON to write.")
 @click.option("--no-resume", is_flag=True, help="Start over even if OUTPUT holds an unfinished measurement.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Also write the measurement's figures (PNG) into this folder.")
 def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: int, grid: str | None,
-            importance: str, clip: bool, output: str, no_resume: bool, plot_dir: str | None) -> None:
+            importance: str, method: str, clip: bool | None, kl_scale: bool, output: str, no_resume: bool,
+            plot_dir: str | None) -> None:
     """Measure every tensor's error under each quantization option, one decoder layer at a time."""
     from mlx_dq.measure import measure as run_measure
 
     t0 = time.perf_counter()
     try:
         m = run_measure(model_spec, calib=calib, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
-                        out_path=output, resume=not no_resume, importance=importance, clip=clip)
+                        out_path=output, resume=not no_resume, importance=importance, clip=clip,
+                        method=method, kl_scale=kl_scale)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     n_opts = sum(len(t.options) for t in m.tensors.values())

@@ -74,11 +74,13 @@ def quantize_tensor(
     w: mx.array, option: QuantOption, gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
     damp: float = DEFAULT_DAMP,
     promote: bool = False,
+    factor_cache: dict | None = None,
 ) -> QuantizedTensor:
     """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip.
 
     ``promote`` quantizes a mixed option in natural channel order and rewrites it
     losslessly as one uniform tensor at its highest width (stock-loadable).
+    ``factor_cache`` (a dict) reuses Hessian factors across options of one tensor.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -88,7 +90,8 @@ def quantize_tensor(
     if method == "gptq" and gram is not None:
         from .gptq import gptq_quantize
 
-        qt = gptq_quantize(w, option, gram, damp=damp, clip=clip, natural_order=natural)
+        qt = gptq_quantize(w, option, gram, damp=damp, clip=clip, natural_order=natural,
+                           factor_cache=factor_cache)
     else:
         qt = quantize_weight(w, option, gram=gram, clip=clip, natural_order=natural)
     return promote_to_uniform(qt) if natural else qt

@@ -20,7 +20,7 @@ comparable across layers by an *importance* per tensor, defined so that
   matters: normalising by the plain norm lets a few "massive activation"
   channels hide the damage of every layer after them. The embedding's lookup
   output is the residual stream at layer 0 (same definition); the head's output
-  is the logits (importance 1; the head is budgeted apart from the layers).
+  is the logits (see KL units below).
 
   Evidence (``benchmarks/measure_importance.py`` on SmolLM2-135M, 35 tensors of
   layers 0/7/15/22/29 at their reference option, KL on 2 x 256 held-out
@@ -34,11 +34,27 @@ comparable across layers by an *importance* per tensor, defined so that
   at the reference option, divided by its squared error.
 - ``"none"``: importance 1 everywhere.
 
-Options are measured with round-to-nearest quantization by default
-(``clip=False``): the per-group clip search lowers every option's error (by
-about 15% at 2 bits, less at higher widths, on SmolLM2) but costs about five
-times as long, which dominates the measuring time on a CPU. ``clip=True``
-measures what the clip search gives and records its statistics.
+KL units (``kl_scale``, on by default with ``"residual"``): the residual
+damage ranks tensors well but has no common unit with the head, whose error
+lands on the logits. So for up to ``KL_SAMPLE_LAYERS`` decoder layers spread
+over the depth, the layer's output with all its tensors at the reference
+option is carried on through the remaining layers (one extra pass of the
+importance rows per carried copy, still one layer in memory) and turned into
+a KL divergence at the end; ``sum(KL) / sum(predicted damage)`` rescales every
+importance to nats. The head (or tied embedding/head) is measured end to end:
+each option's KL on the importance rows is stored as its ``damage``, which the
+optimizer uses as is. Why: on SmolLM2-135M the old unit-less head importance
+let the optimizer put the 28M-weight tied head at 2 bits at a 3.5 bpw target;
+that head alone costs KL 0.67 (GPTQ) while the whole 3.5 bpw model measured
+0.67. For a tied head only the head side is measured (the lookup side of the
+same weight is small next to it).
+
+Options are measured with the converter's quantizer by default
+(``method="gptq"`` with the clip search), so the optimizer sees the errors
+conversion produces: GPTQ lowers the output error by about a quarter at 3 bits
+but not evenly across tensors. ``method="rtn"`` measures plain rounding
+(``clip`` off by default there: the clip search costs about five times as
+long), about three times faster.
 
 Resumable: after each layer the measurement file is written atomically with
 ``last_module_idx`` and the hidden states are saved next to it
@@ -78,6 +94,7 @@ DEFAULT_BATCH = 4
 DEFAULT_IMPORTANCE_ROWS = 4
 REFERENCE_OPTION = "1.0:3b_64g"
 IMPORTANCE_MODES = ("residual", "kl", "none")
+KL_SAMPLE_LAYERS = 8  # decoder layers whose joint perturbation is carried to the logits to scale importance to KL
 TIMING_KEYS = ("timing",)  # fields that differ between otherwise identical runs
 
 
@@ -224,25 +241,38 @@ def measure_tensor(
     lookup: InputStats | None = None,
     clip: bool = True,
     kept: dict[str, mx.array] | None = None,
+    method: str = "rtn",
+    damage_fn: Callable[[mx.array], float] | None = None,
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
     ``stats`` holds the Gram matrix of the tensor's inputs (a linear layer or tied
     head); ``lookup`` the token counts of an embedding used as a lookup table.
-    When ``kept`` is a dict whose keys name options, their dequantized weights are stored in it.
+    ``method`` is the converter's quantizer ("gptq": error compensation against
+    the Gram matrix, so the errors are the ones conversion produces; "rtn":
+    rounding, plus the clip search when ``clip``). When ``kept`` is a dict whose
+    keys name options, their dequantized weights are stored in it;
+    ``damage_fn(wq)`` when given measures each option's end-to-end damage.
     """
+    from .convert import quantize_tensor
+
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
     quant_gram = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
     meter = _error_meter(w, gram, lookup.token_counts if lookup is not None and gram is None else None)
     rec = TensorRecord(key, shape, role=role)
     fitting = [o for o in options if o.fits(shape[-1])] or [QuantOption.fp16()]  # else it can only stay 16-bit
+    factors: dict = {}
     for opt in fitting:
-        qt = quantize_weight(w, opt, gram=quant_gram, clip=clip)
+        if method == "gptq" and gram is not None and not opt.keep16:
+            qt = quantize_tensor(w, opt, gram, method="gptq", clip=clip, factor_cache=factors)
+        else:
+            qt = quantize_weight(w, opt, gram=quant_gram, clip=clip)
         wq = qt.dequantize(mx.float32)
         err, werr = meter(wq)
         clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
-        rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None)
+        damage = damage_fn(wq) if damage_fn is not None else None
+        rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
         if kept is not None and opt.desc in kept:
             kept[opt.desc] = wq
     if stats is not None:
@@ -366,6 +396,83 @@ def residual_importance(
     return out
 
 
+def _perturbed_output(layer: nn.Module, h: mx.array, call: tuple[tuple, dict], mods: dict[str, nn.Module],
+                      refs: dict[str, mx.array]) -> mx.array:
+    """``layer``'s output on ``h`` with every tensor in ``refs`` quantized at once (weights restored after)."""
+    args, kwargs = call
+    saved = {p: mods[p].weight for p in refs}
+    try:
+        for p, wq in refs.items():
+            mods[p].weight = wq
+        y = layer(h, *args, **kwargs).astype(mx.float32)
+        mx.eval(y)
+    finally:
+        for p, w in saved.items():
+            mods[p].weight = w
+    return y
+
+
+def _kl_rows(ref_logp: mx.array, logits: mx.array) -> mx.array:
+    """Summed KL(ref || q) over the positions of one row (nats)."""
+    logp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    return (mx.exp(ref_logp) * (ref_logp - logp)).sum()
+
+
+def _add_lookup_damage(head_fn: Callable[[mx.array], float], w: mx.array, lookup: InputStats,
+                       importance: float) -> Callable[[mx.array], float]:
+    """A tied head's damage: its measured KL plus ``importance * err**2`` of the lookup (token-count weighted).
+
+    The lookup side cannot be measured end to end in the same pass (its effect runs through every layer),
+    and it is not small: on SmolLM2-135M quantizing only the lookup at 2 bits costs KL 0.65, at 3 bits 0.07.
+    """
+    meter = _error_meter(w, None, lookup.token_counts)
+    parts: list[float] = []
+
+    def fn(wq: mx.array) -> float:
+        parts.append(importance * meter(wq)[0] ** 2)
+        return head_fn(wq) + parts[-1]
+
+    fn.lookup_damage = parts  # type: ignore[attr-defined]
+    return fn
+
+
+class _HeadKL:
+    """End-to-end KL from the final hidden states of the importance rows: for carried perturbations and head options.
+
+    Holds the float32 reference log-probabilities one row at a time.
+    """
+
+    def __init__(self, model: nn.Module, tokens: mx.array, hidden: mx.array):
+        self.model, self.tokens, self.hidden = model, tokens, hidden
+        self.ref = []
+        for r in range(int(tokens.shape[0])):
+            logits = head_logits(model, tokens[r:r + 1], hidden[r:r + 1]).astype(mx.float32)
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            mx.eval(lp)
+            self.ref.append(lp)
+        self.positions = int(tokens.shape[0]) * int(tokens.shape[1])
+
+    def kl(self, hidden: mx.array) -> float:
+        """Mean KL per position when the final hidden states are ``hidden`` instead."""
+        total = 0.0
+        for r, lp in enumerate(self.ref):
+            total += _kl_rows(lp, head_logits(self.model, self.tokens[r:r + 1], hidden[r:r + 1])).item()
+        return total / self.positions
+
+    def damage_fn(self, mod: nn.Module) -> Callable[[mx.array], float]:
+        """``wq -> KL`` with the head (or tied embedding) weight of ``mod`` replaced by ``wq``."""
+
+        def fn(wq: mx.array) -> float:
+            w = mod.weight
+            mod.weight = wq.astype(w.dtype)
+            try:
+                return self.kl(self.hidden)
+            finally:
+                mod.weight = w
+
+        return fn
+
+
 # --------------------------------------------------------------------------
 # files
 # --------------------------------------------------------------------------
@@ -373,21 +480,24 @@ def _state_path(path: Path) -> Path:
     return path.with_name(path.name + ".state.safetensors")
 
 
-def _save_state(path: Path, hidden: mx.array, layer: int, settings: str) -> None:
+def _save_state(path: Path, hidden: mx.array, layer: int, settings: str,
+                carried: dict[int, mx.array] | None = None) -> None:
     sp = _state_path(path)
     tmp = sp.with_name(sp.name.replace(".state.safetensors", ".state.tmp.safetensors"))
-    mx.save_safetensors(str(tmp), {"hidden": hidden}, metadata={"layer": str(layer), "settings": settings})
+    arrays = {"hidden": hidden, **{f"carried.{k}": v for k, v in (carried or {}).items()}}
+    mx.save_safetensors(str(tmp), arrays, metadata={"layer": str(layer), "settings": settings})
     os.replace(tmp, sp)
 
 
-def _load_state(path: Path, settings: str) -> tuple[mx.array, int] | None:
+def _load_state(path: Path, settings: str) -> tuple[mx.array, int, dict[int, mx.array]] | None:
     sp = _state_path(path)
     if not sp.exists():
         return None
     arrays, meta = mx.load(str(sp), return_metadata=True)
     if meta.get("settings") != settings:
         return None
-    return arrays["hidden"], int(meta["layer"])
+    carried = {int(k.split(".", 1)[1]): v for k, v in arrays.items() if k.startswith("carried.")}
+    return arrays["hidden"], int(meta["layer"]), carried
 
 
 def strip_timing(doc: dict) -> dict:
@@ -432,7 +542,9 @@ def measure(
     importance_rows: int = DEFAULT_IMPORTANCE_ROWS,
     batch_size: int = DEFAULT_BATCH,
     expert_mode: str = "per_expert",
-    clip: bool = False,
+    clip: bool | None = None,
+    method: str = "gptq",
+    kl_scale: bool = True,
     progress: bool = True,
     _fail_after_layer: int | None = None,
 ) -> Measurement:
@@ -440,11 +552,21 @@ def measure(
 
     Streams one decoder layer at a time (see the module docstring); writes and
     resumes ``out_path`` when given; returns the in-memory measurement.
+    ``method``/``clip`` choose the quantizer whose errors are measured (default:
+    the converter's, GPTQ with the clip search); ``kl_scale`` puts every
+    importance in KL units and measures the head's options end to end.
     """
     from . import calib as calib_mod
     from .grids import load_grid, role_of
     from .sources import build_model, resolve
 
+    from .convert import METHODS
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if clip is None:
+        clip = method == "gptq"
+    kl_scale = kl_scale and importance == "residual"
     if importance not in IMPORTANCE_MODES:
         raise ValueError(f"importance must be one of {IMPORTANCE_MODES}, got {importance!r}")
     if rows < 1 or seq_len < 2 or batch_size < 1 or importance_rows < 1:
@@ -488,8 +610,11 @@ def measure(
                        "predicts": "damage ~ importance * err**2"},
         "expert_gram": expert_mode,
         "clip": clip,
+        "method": method,
         "complete": False,
     }
+    if kl_scale:
+        m.extra["importance"]["kl_scale"] = {"samples": []}
     settings = _digest(m.model, m.calibration, m.grid, m.extra)
     m.extra["settings_digest"] = settings
     m.extra["timing"] = {"layers_s": [], "total_s": None}
@@ -497,6 +622,8 @@ def measure(
 
     start_layer = 0
     hidden: mx.array | None = None
+    carried: dict[int, mx.array] = {}  # layer -> hidden states of the importance rows with that layer quantized
+    sample_layers = set(np.linspace(0, len(layers) - 1, min(KL_SAMPLE_LAYERS, len(layers))).round().astype(int).tolist())
     if out is not None and resume and out.exists():
         old = load_measurement(out)
         if old.extra.get("settings_digest") != settings:
@@ -509,13 +636,15 @@ def measure(
         state = _load_state(out, settings)
         done_idx = old.last_module_idx if old.last_module_idx is not None else -1
         if state is not None and state[1] <= done_idx:
-            hidden, done = state
+            hidden, done, carried = state
             start_layer = done + 1
             keep = tuple(f"{prefix}{i}." for i in range(start_layer))
             m.tensors = {k: t for k, t in old.tensors.items() if k.startswith(keep)}
             m.last_module_idx = done
             m.extra["timing"] = {k: (v[:start_layer] if isinstance(v, list) else v)
                                  for k, v in old.extra.get("timing", {}).items()}
+            if kl_scale:
+                m.extra["importance"]["kl_scale"] = old.extra["importance"]["kl_scale"]
 
     # embed (and record the layers' call arguments) with only the non-layer weights loaded
     _load_into(model, dict(source.other_weights()))
@@ -552,13 +681,17 @@ def measure(
                 col.flush()
                 new_hidden.append(y)
         t1 = time.perf_counter()
+        for k in carried:  # perturbed copies of earlier layers travel on through this one
+            carried[k] = layer(carried[k], *calls[0][i][0], **calls[0][i][1]).astype(mx.float32)
+            mx.eval(carried[k])
         records, refs = [], {}
         for path, mod in mods.items():
             role = role_of(path)
             opts = _grid_options(grid_map, role, path)
             ref = reference_option(opts, int(mod.weight.shape[-1]))
             kept = {ref.desc: None}
-            rec = measure_tensor(path, mod.weight, opts, col.stats.get(path), role, clip=clip, kept=kept)
+            rec = measure_tensor(path, mod.weight, opts, col.stats.get(path), role, clip=clip, kept=kept,
+                                 method=method)
             records.append(rec)
             if importance == "residual":
                 if kept[ref.desc] is None:  # the reference is not one of the grid's options
@@ -574,6 +707,10 @@ def measure(
                 r = imp[rec.key]
                 rec.importance = r["importance"]
                 rec.extra["importance_detail"] = {"damage": r["damage"], "err": r["err"]}
+            if kl_scale and i in sample_layers:
+                carried[i] = _perturbed_output(layer, hidden[:n_imp], calls[0][i], mods, refs)
+                m.extra["importance"]["kl_scale"]["samples"].append(
+                    {"layer": i, "predicted": sum(imp[p]["damage"] for p in refs)})
         hidden = mx.concatenate(new_hidden, axis=0)
         del new_hidden, refs, col
         _free(layer)
@@ -587,7 +724,7 @@ def measure(
             m.extra["timing"].setdefault(name, []).append(round(dt, 3))
         if out is not None:
             save_measurement(m, out)
-            _save_state(out, hidden, i, settings)
+            _save_state(out, hidden, i, settings, carried)
         bar.update(1)
         if _fail_after_layer is not None and i == _fail_after_layer:
             raise RuntimeError(f"simulated interruption after layer {i}")
@@ -604,18 +741,43 @@ def measure(
             head_col.flush()
             del logits
     m.base_perplexity = math.exp(nll / (rows * (seq_len - 1)))
+    head_kl = _HeadKL(model, tokens[:n_imp], hidden[:n_imp]) if kl_scale else None
+    scale = 1.0
+    if kl_scale:
+        info = m.extra["importance"]["kl_scale"]
+        for sample in info["samples"]:
+            sample["kl"] = head_kl.kl(carried.pop(sample["layer"]))
+        pred = sum(x["predicted"] for x in info["samples"])
+        scale = sum(x["kl"] for x in info["samples"]) / pred if pred > 0 else 1.0
+        info["scale"] = scale
+        for rec in m.tensors.values():
+            rec.importance *= scale
     for path, mod in head_mods.items():
         role = role_of(path)
         stats = head_col.stats.get(path)
         lookup = embed_lookup.get(path) if stats is None else None
+        fn = None
+        if head_kl is not None and stats is not None:
+            fn = head_kl.damage_fn(mod)
+            if path in embed_lookup:  # tied: the same codes also feed layer 0 through the lookup
+                fn = _add_lookup_damage(fn, mod.weight, embed_lookup[path], embed_importance * scale)
         rec = measure_tensor(path, mod.weight, _grid_options(grid_map, role, path), stats, role,
-                             lookup=lookup, clip=clip)
+                             lookup=lookup, clip=clip, method=method, damage_fn=fn)
         if stats is not None and path in embed_lookup:
             m.tied = {"lm_head": path}
             rec.extra["tied_head"] = True
         elif stats is None and importance == "residual":
-            rec.importance = embed_importance
+            rec.importance = embed_importance * scale
+        if fn is not None:
+            rec.extra["damage"] = "KL of the next-token distribution with only this tensor quantized (head)"
+            if path in embed_lookup:
+                rec.extra["damage"] += (" plus the lookup side's predicted KL (KL-scaled importance x lookup error^2):"
+                                        f" {[round(x, 6) for x in fn.lookup_damage]}")
+            ref_rec = rec.find(reference_option([o.option for o in rec.options], int(mod.weight.shape[-1])))
+            if ref_rec is not None and ref_rec.err:
+                rec.importance = ref_rec.damage / ref_rec.err**2  # for reports; the optimizer uses the damage
         m.tensors[path] = rec
+    del head_kl
     if importance == "kl":
         kl_importance(source, m, tokens[:n_imp], grid_map, clip=clip, progress=progress)
     m.extra["complete"] = True

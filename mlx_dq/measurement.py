@@ -59,7 +59,9 @@ class OptionRecord:
     ``total_bits`` are the exact MLX storage bits of ``option`` for the tensor
     (codes, scales, biases, permutation); ``err`` the relative output error
     ||X(Wq - W)^T||_F / ||X W^T||_F (``None`` for members of a joint option,
-    whose error is only known for the whole module).
+    whose error is only known for the whole module). ``damage`` is the option's
+    end-to-end damage (KL divergence, nats) where it was measured directly (the
+    head); the optimizer then uses it instead of ``importance * err**2``.
     """
 
     option: QuantOption
@@ -71,6 +73,7 @@ class OptionRecord:
     exl2_desc: str | None = None
     exl2_qparams: dict | None = None
     exl2_total_bits: int | None = None
+    damage: float | None = None
 
     @property
     def desc(self) -> str:
@@ -566,7 +569,7 @@ def _opt_to_json(rec: OptionRecord) -> dict:
         "qparams": rec.exl2_qparams or rec.option.to_exl2_qparams(),
         "mlx": rec.option.desc,
     }
-    for name in ("weight_err", "clip", "exl2_desc", "exl2_total_bits"):
+    for name in ("weight_err", "clip", "exl2_desc", "exl2_total_bits", "damage"):
         v = getattr(rec, name)
         if v is not None:
             d[name] = v
@@ -586,6 +589,7 @@ def _opt_from_json(d: Mapping, where: str, path: str) -> OptionRecord:
         opt, float(d["bpw"]), int(d["total_bits"]), None if d["err"] is None else float(d["err"]),
         weight_err=d.get("weight_err"), clip=d.get("clip"), exl2_desc=d.get("exl2_desc"),
         exl2_qparams=d.get("exl2_qparams"), exl2_total_bits=d.get("exl2_total_bits"),
+        damage=None if d.get("damage") is None else float(d["damage"]),
     )
 
 

@@ -211,7 +211,9 @@ def _build(
     def allowed(opt: QuantOption) -> bool:
         return not (mlx_lm_compatible and opt.is_mixed)
 
-    def dmg(err: float | None, importance: float) -> float:
+    def dmg(err: float | None, importance: float, damage: float | None = None) -> float:
+        if damage is not None:  # measured end to end (the head): no model needed
+            return float(damage)
         return 0.0 if err is None else importance * float(err) ** err_power
 
     grouped = m.grouped_keys()
@@ -236,7 +238,7 @@ def _build(
                              + (" (only mixed options were measured)" if mlx_lm_compatible else ""))
         items.append(_Item(
             t.key, [t.key], t.numel, np.array([r.total_bits for r in recs], dtype=np.int64),
-            np.array([dmg(r.err, t.importance) for r in recs]), recs, [r.err for r in recs],
+            np.array([dmg(r.err, t.importance, r.damage) for r in recs]), recs, [r.err for r in recs],
         ))
     for g in m.groups.values():
         opts = [o for o in g.options if all(allowed(r.option) for r in o.members.values())]

@@ -43,6 +43,7 @@ def _run(folder: Path, grid: Path, out: Path | None = None, **kw):
     kw.setdefault("seq_len", 48)
     kw.setdefault("batch_size", 2)
     kw.setdefault("clip", False)  # the clip search is tested with the quantizer; here it only costs time
+    kw.setdefault("method", "rtn")  # errors checked against plain rounding below; gptq has its own tests
     return measure(str(folder), grid=str(grid), out_path=out, progress=False, **kw)
 
 
@@ -277,7 +278,8 @@ def test_bundled_model_gram_errors_match_direct(tmp_path):
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps({"description": "one option", "roles": {"default": ["0.5:4b_32g/0.5:3b_64g"]}}))
     src = resolve(DEFAULT_MODEL)
-    m = measure(DEFAULT_MODEL, rows=2, seq_len=64, grid=str(grid), clip=False, importance="none", progress=False)
+    m = measure(DEFAULT_MODEL, rows=2, seq_len=64, grid=str(grid), clip=False, importance="none", method="rtn",
+                progress=False)
     keys = [f"model.layers.{i}.{p}" for i in (0, src.num_layers - 1)
             for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
     model = src.model(mx.float32)
@@ -322,3 +324,94 @@ def test_kl_importance_mode(folders, grid_file):
         det = t.extra["importance_detail"]
         assert det["kl"] > 0 and t.importance == pytest.approx(det["kl"] / det["err"] ** 2)
     assert m.extra["importance"]["method"] == "kl"
+
+
+def test_gptq_measurement_gives_the_converters_errors(folders, grid_file):
+    """method="gptq" records the error of the converter's own quantizer, lower than rounding."""
+    from mlx_dq.convert import quantize_tensor
+
+    folder = folders["llama"]
+    rtn = _run(folder, grid_file, kl_scale=False)
+    gq = _run(folder, grid_file, method="gptq", clip=True, kl_scale=False)
+    assert gq.extra["method"] == "gptq" and gq.extra["clip"] is True
+    lower = total = 0
+    for k, t in gq.tensors.items():
+        if ".layers." not in k:
+            continue
+        for o in t.options:
+            r = rtn.tensors[k].find(o.option)
+            total += 1
+            lower += o.err < r.err
+    assert lower >= 0.9 * total, (lower, total)
+    # one tensor checked against quantize_tensor on directly captured inputs
+    src = resolve(str(folder))
+    model = src.model(mx.float32)
+    key = "model.layers.1.mlp.down_proj"
+    rec = _Recorder(dict(model.named_modules())[key])
+    _set_module(model, key, rec)
+    mx.eval(model(_tokens(folder, 4, 48)))
+    x = mx.concatenate([s[0].reshape(-1, s[0].shape[-1]) for s in rec.seen])
+    w = rec.inner.weight
+    wq = quantize_tensor(w, QuantOption.parse("1.0:3b_64g"), x.T @ x, method="gptq").dequantize(mx.float32)
+    direct = float(mx.linalg.norm(x @ wq.T - x @ w.T) / mx.linalg.norm(x @ w.T))
+    assert gq.tensors[key].find("1.0:3b_64g").err == pytest.approx(direct, rel=1e-3)
+
+
+def test_kl_scale_matches_whole_model_kl(folders, grid_file):
+    """The carried perturbations give the same KL as quantizing a layer's tensors in the whole model."""
+    from mlx_dq.grids import load_grid, role_of
+    from mlx_dq.measure import head_logits
+
+    folder = folders["llama"]
+    m = _run(folder, grid_file, importance_rows=2)
+    info = m.extra["importance"]["kl_scale"]
+    assert [s["layer"] for s in info["samples"]] == [0, 1, 2]
+    pred = sum(s["predicted"] for s in info["samples"])
+    assert info["scale"] == pytest.approx(sum(s["kl"] for s in info["samples"]) / pred)
+    src = resolve(str(folder))
+    model = src.model(mx.float32)
+    tokens = _tokens(folder, 4, 48)[:2]
+    ref = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+    grid = load_grid(str(grid_file))
+    for sample in info["samples"]:
+        i = sample["layer"]
+        mods = {p: mod for p, mod in dict(model.named_modules()).items()
+                if p.startswith(f"model.layers.{i}.") and isinstance(mod, nn.Linear) and role_of(p)}
+        saved = {}
+        for p, mod in mods.items():
+            desc = m.tensors[p].extra["importance_ref"]
+            saved[p] = mod.weight
+            mod.weight = quantize_weight(mod.weight, QuantOption.parse(desc), clip=False).dequantize(mx.float32)
+        logp = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+        kl = float((mx.exp(ref) * (ref - logp)).sum(-1).mean())
+        for p, w in saved.items():
+            mods[p].weight = w
+        assert sample["kl"] == pytest.approx(kl, rel=0.02, abs=1e-7), i
+    # importance is now in KL units, and the head's options carry their own end-to-end damage
+    head = m.tensors["lm_head"]
+    assert all(o.damage is not None and o.damage >= 0 for o in head.options)
+    by_bits = sorted(head.options, key=lambda o: o.bpw)
+    assert by_bits[0].damage > by_bits[-1].damage
+    assert all(o.damage is None for k, t in m.tensors.items() if k != "lm_head" for o in t.options)
+
+
+def test_tied_head_damage_counts_both_sides(tmp_path, grid_file):
+    """A tied embedding/head is priced by its head KL plus the lookup side, close to the whole-model KL."""
+    from mlx_dq.capture import quantizable_modules
+
+    folder = make_tiny_model_folder(tmp_path, "llama", num_layers=2, tie=True)
+    m = _run(folder, grid_file, importance_rows=2)
+    emb = m.tensors["model.embed_tokens"]
+    assert emb.extra.get("tied_head") and "lookup" in emb.extra["damage"]
+    src = resolve(str(folder))
+    model = src.model(mx.float32)
+    tokens = _tokens(folder, 4, 48)[:2]
+    ref = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+    w = model.model.embed_tokens.weight
+    for desc in ("1.0:2b_64g", "1.0:4b_32g"):
+        o = emb.find(desc)
+        model.model.embed_tokens.weight = quantize_weight(w, o.option, clip=False).dequantize(mx.float32)
+        logp = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+        kl = float((mx.exp(ref) * (ref - logp)).sum(-1).mean())
+        model.model.embed_tokens.weight = w
+        assert 0.5 * kl < o.damage < 2.0 * kl, (desc, o.damage, kl)

@@ -301,3 +301,22 @@ def test_seed_plans_meet_targets() -> None:
         plan = optimize(m, target)
         assert target - 0.02 <= plan.achieved_bpw <= target
         assert plan.objective <= greedy_single_pass(m, target).objective
+
+
+def test_measured_damage_overrides_importance_times_err() -> None:
+    """An option with a directly measured damage (the head's KL) is priced by it, not by importance * err**2."""
+    m = _random(np.random.default_rng(11), 3, 4, mixed=False)
+    head = TensorRecord("lm_head", (1024, 64), role="embed_head", importance=1.0)
+    cheap, dear = QuantOption.uniform(2, 64), QuantOption.uniform(8, 64)
+    for opt, err in ((cheap, 0.3), (dear, 0.01)):
+        head.options.append(_record(opt, opt.storage_bits(head.shape), head.numel, err))
+    m.tensors[head.key] = head
+    lo, hi, n = _range(m)
+    head_diff = head.options[1].total_bits - head.options[0].total_bits
+    target = (lo + head_diff + 0.5 * (hi - lo - head_diff)) / n  # the dear head fits, with room for the layers
+    assert optimize(m, target, head_option=None).entry("lm_head").scope == "budget"
+    # with err**2 pricing the cheap head costs 0.09; say instead that it really costs 100 nats
+    head.options[0].damage, head.options[1].damage = 100.0, 0.0
+    assert optimize(m, target, head_option=None).entry("lm_head").option == dear.desc
+    head.options[0].damage, head.options[1].damage = 0.0, 0.0  # and free: the budget goes to the layers
+    assert optimize(m, target, head_option=None).entry("lm_head").option == cheap.desc
