@@ -158,3 +158,13 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
         starts = rng.integers(0, n - seq_len + 1, size=n_rows)
     rows = np.stack([stream[s : s + seq_len] for s in starts])
     return mx.array(rows, dtype=mx.int32)
+
+
+def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_len: int,
+                     seed: int) -> tuple[list[str], mx.array]:
+    """The calibration texts (a file/folder, or the bundled text when ``calib`` is None) and their sampled token rows.
+
+    One place for what measure, convert and quantize_model all do first.
+    """
+    texts = load_texts(calib) if calib else default_calibration_texts()
+    return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)

@@ -397,8 +397,7 @@ def quantize_model(
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
     out_dtype = {"float16": mx.float16}[dtype]
     tokenizer = source.tokenizer()
-    texts = calib_mod.load_texts(calib) if calib else calib_mod.default_calibration_texts()
-    tokens = calib_mod.sample_rows(tokenizer, texts, rows, seq_len, seed)
+    _, tokens = calib_mod.calibration_rows(tokenizer, calib, rows, seq_len, seed)
     net = build_model(source.config)
     layers_new: dict[str, nn.Module] = {}
     plain: dict[str, mx.array] = {}
@@ -475,6 +474,8 @@ def convert(
     mkw = dict(measure_kwargs or {})
     mkw.setdefault("calib", calib)
     mkw.setdefault("seed", seed)
+    mkw.setdefault("method", method)  # measure the errors this conversion will produce
+    mkw.setdefault("clip", None if clip else False)
     meas_path = out.parent / f".{out.name}.measurement.json"
     the_plan, meas = resolve_plan(
         source, bpw=bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
@@ -483,8 +484,7 @@ def convert(
     )
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
 
-    texts = calib_mod.load_texts(calib) if calib else calib_mod.default_calibration_texts()
-    tokens = calib_mod.sample_rows(source.tokenizer(), texts, rows, seq_len, seed)
+    texts, tokens = calib_mod.calibration_rows(source.tokenizer(), calib, rows, seq_len, seed)
     tmp = _prepare_output(out, force)
     try:
         writer = ShardWriter(tmp, shard_bytes)

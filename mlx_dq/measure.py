@@ -243,6 +243,7 @@ def measure_tensor(
     kept: dict[str, mx.array] | None = None,
     method: str = "rtn",
     damage_fn: Callable[[mx.array], float] | None = None,
+    progress: bool = False,
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
@@ -253,6 +254,7 @@ def measure_tensor(
     rounding, plus the clip search when ``clip``). When ``kept`` is a dict whose
     keys name options, their dequantized weights are stored in it;
     ``damage_fn(wq)`` when given measures each option's end-to-end damage.
+    ``progress`` shows a bar over the options (the head: minutes on a CPU).
     """
     from .convert import quantize_tensor
 
@@ -263,7 +265,7 @@ def measure_tensor(
     rec = TensorRecord(key, shape, role=role)
     fitting = [o for o in options if o.fits(shape[-1])] or [QuantOption.fp16()]  # else it can only stay 16-bit
     factors: dict = {}
-    for opt in fitting:
+    for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
         if method == "gptq" and gram is not None and not opt.keep16:
             qt = quantize_tensor(w, opt, gram, method="gptq", clip=clip, factor_cache=factors)
         else:
@@ -576,8 +578,7 @@ def measure(
         )
     t_start = time.perf_counter()
     source = resolve(str(spec_or_source)) if isinstance(spec_or_source, (str, Path)) else spec_or_source
-    texts = calib_mod.load_texts(calib) if calib else calib_mod.default_calibration_texts()
-    tokens = calib_mod.sample_rows(source.tokenizer(), texts, rows, seq_len, seed)
+    texts, tokens = calib_mod.calibration_rows(source.tokenizer(), calib, rows, seq_len, seed)
     grid_map = load_grid(grid)
     model = build_model(source.config)
     _align_to_source(model, source.weight_names())
@@ -762,7 +763,7 @@ def measure(
             if path in embed_lookup:  # tied: the same codes also feed layer 0 through the lookup
                 fn = _add_lookup_damage(fn, mod.weight, embed_lookup[path], embed_importance * scale)
         rec = measure_tensor(path, mod.weight, _grid_options(grid_map, role, path), stats, role,
-                             lookup=lookup, clip=clip, method=method, damage_fn=fn)
+                             lookup=lookup, clip=clip, method=method, damage_fn=fn, progress=progress)
         if stats is not None and path in embed_lookup:
             m.tied = {"lm_head": path}
             rec.extra["tied_head"] = True

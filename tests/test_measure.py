@@ -359,8 +359,7 @@ def test_gptq_measurement_gives_the_converters_errors(folders, grid_file):
 
 def test_kl_scale_matches_whole_model_kl(folders, grid_file):
     """The carried perturbations give the same KL as quantizing a layer's tensors in the whole model."""
-    from mlx_dq.grids import load_grid, role_of
-    from mlx_dq.measure import head_logits
+    from mlx_dq.grids import role_of
 
     folder = folders["llama"]
     m = _run(folder, grid_file, importance_rows=2)
@@ -372,7 +371,6 @@ def test_kl_scale_matches_whole_model_kl(folders, grid_file):
     model = src.model(mx.float32)
     tokens = _tokens(folder, 4, 48)[:2]
     ref = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
-    grid = load_grid(str(grid_file))
     for sample in info["samples"]:
         i = sample["layer"]
         mods = {p: mod for p, mod in dict(model.named_modules()).items()
@@ -397,8 +395,6 @@ def test_kl_scale_matches_whole_model_kl(folders, grid_file):
 
 def test_tied_head_damage_counts_both_sides(tmp_path, grid_file):
     """A tied embedding/head is priced by its head KL plus the lookup side, close to the whole-model KL."""
-    from mlx_dq.capture import quantizable_modules
-
     folder = make_tiny_model_folder(tmp_path, "llama", num_layers=2, tie=True)
     m = _run(folder, grid_file, importance_rows=2)
     emb = m.tensors["model.embed_tokens"]
