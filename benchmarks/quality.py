@@ -364,8 +364,8 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
                  "spent_measuring_s": state[method + "_s"] if first else 0.0}
         return conv.quantize_model(spec, plan, **kw)[0], extra
 
-    runs = [("gptq", m == "compatible", t) for m in modes for t in targets]
-    runs += [("rtn", False, t) for t in rtn_targets]
+    runs = [("gptq", False, t) for t in targets if "mixed" in modes] + [("rtn", False, t) for t in rtn_targets]
+    runs += [("gptq", True, t) for t in targets if "compatible" in modes]
     for method, compatible, t in runs:
         family = "mlx-dq --mlx-lm-compatible" if compatible else "mlx-dq"
         suffix = "" if method == "gptq" else " (no compensation)"
