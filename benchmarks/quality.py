@@ -54,7 +54,8 @@ BUNDLED_NOTES = [
     "scale so that edge and zero are exact, which moves the grid off Q4_1's (layer 0 down_proj: 7.7% "
     "relative weight error, the same as on ordinary weights). A quantizer that tries the plain min/max "
     "scale at 4-bit g32 can reproduce the source exactly, so any method that does (mlx-dq options with "
-    "4b_32g segments may) is flattered near 4-5 bpw on this model; check claims on other models too.",
+    "4b_32g segments may; mlx-dq's default grid has none) is flattered near 4-5 bpw on this model; check claims "
+    "on other models too.",
     "Group size 128: SmolLM2's hidden size 576 is not a multiple of 128, so mlx-lm leaves every tensor with "
     "576 inputs (all but down_proj, and the embedding) in 16 bits; those rows have high bpw.",
     "SmolLM2 ties the head to the embedding: mlx-lm's mixed_* recipes give lm_head the high width, "
@@ -171,9 +172,9 @@ def compensation_check(rows: list[dict]) -> list[str]:
                 pairs.append((float(t), by[f"mlx-dq @{t}"], r))
     if not pairs:
         return []
-    out = ["", "Error compensation: mlx-dq measured and quantized with GPTQ (default) against rounding + clip search "
-           "(`--method rtn` on measure and convert), same targets. Times: quantizing the model (in memory) and, "
-           "once per method, measuring it.", "",
+    out = ["", "Error compensation: mlx-dq measured and quantized with GPTQ (the default) against the same pipeline "
+           "with rounding (`--method rtn` on measure and convert: rounding to measure, rounding + clip search to "
+           "quantize), same targets. Times: quantizing the model (in memory) and, once per method, measuring it.", "",
            "| target | KL rounding | KL GPTQ | KL change | quantize s rounding | quantize s GPTQ | measure s rounding "
            "| measure s GPTQ |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t, g, n in sorted(pairs, key=lambda p: p[0]):
@@ -506,7 +507,8 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
             + " of mlx-dq's calibration text); embedding/head: "
             f"{'chosen by the optimizer inside the target' if head_option == 'budget' else head_option}; "
             "`--mlx-lm-compatible` plans use whole-tensor options only; '(no compensation)' rows are measured "
-            "and quantized by rounding + clip search instead of GPTQ.",
+            "with rounding (`measure --method rtn`) and quantized with rounding + clip search (`convert --method "
+            "rtn`) instead of GPTQ.",
         ],
     )
     write_markdown(out_dir / "quality.md", results, info)
