@@ -63,7 +63,7 @@ BUNDLED_NOTES = [
 ]
 FIELDS = ["family", "method", "bpw", "kl", "kl_max", "top1", "perplexity", "size_mb", "build_s", "eval_s", "notes",
           "measure_s", "version"]
-RTN_TARGETS = (3.0, 4.0)  # mlx-dq without error compensation (measured and converted with rounding + clip)
+RTN_TARGETS = (3.0, 4.0)  # mlx-dq without error compensation (measured with rounding, converted with rounding + clip)
 
 
 @functools.lru_cache(maxsize=None)  # taken once, at the start of a run: edits made while it runs do not count
