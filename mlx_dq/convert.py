@@ -40,7 +40,7 @@ from .quant import QuantizedTensor, output_error, promote_to_uniform, quantize_w
 
 MANIFEST_NAME = "mlx_dq.json"
 MANIFEST_SCHEMA = "mlx_dq.manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: module "bits" -> "storage_bits", "dense_bytes" -> "kept16_bytes", facts added
 MODEL_FILE = "mlx_dq_model.py"
 DEFAULT_SHARD_BYTES = 4 << 30
 DEFAULT_ROWS = 32
@@ -208,7 +208,11 @@ def resolve_plan(
     if isinstance(plan, dict):
         return plan_from_options(plan, source), None
     if plan is not None:
-        return (load_plan(plan) if isinstance(plan, (str, Path)) else plan), None
+        if isinstance(plan, (str, Path)):  # ours, or a foreign file mapped onto this model (mlx_dq.formats)
+            from .formats import load_plan_any
+
+            return load_plan_any(plan, source), None
+        return plan, None
     if bpw is None:
         raise ValueError("give a bits-per-weight target (bpw) or a plan")
     if measurement is None:
@@ -218,6 +222,10 @@ def resolve_plan(
     else:
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
     p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible)
+    from .formats.common import model_modules
+    from .formats.exl2 import complete_head
+
+    complete_head(p, model_modules(source), head_option)  # an EXL2 measurement has no embedding/head
     return p, m
 
 
@@ -347,8 +355,11 @@ def quantize_stream(
     bar.close()
 
 
-def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array]) -> dict:
-    """The manifest record of one quantized tensor."""
+def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array],
+            dtype: str = "float16") -> dict:
+    """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation)."""
+    from .formats.facts import packing_facts
+
     opt = qt.option
     g2 = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
     err = output_error(w, qt.dequantize(mx.float32), g2) if g2 is not None and not opt.keep16 else None
@@ -356,8 +367,9 @@ def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dic
         "option": opt.desc,
         "shape": list(qt.shape),
         "numel": int(math.prod(qt.shape)),
-        "bits": int(opt.storage_bits(qt.shape)),
+        "storage_bits": int(opt.storage_bits(qt.shape)),
         "bpw": opt.bpw(qt.shape),
+        "packing": packing_facts(opt, qt.shape, dtype),
         "bytes": int(sum(a.nbytes for a in arrays.values())),
         "err": err,
         "clip": {k: qt.stats[k] for k in ("clipped_fraction", "clip_improvement") if k in qt.stats},
@@ -510,7 +522,7 @@ def convert(
             elif not opt.keep16:
                 seg = opt.segments[0]
                 qconf[path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
-            records[path] = _record(qt, gram, w, arrays)
+            records[path] = _record(qt, gram, w, arrays, dtype)
 
         files = writer.close()
         config = _output_config(source.config, qconf, mixed)
@@ -532,6 +544,9 @@ def convert(
                       "mlx_lm_compatible": mlx_lm_compatible, "head_option": head_option},
             seconds=time.perf_counter() - t_start,
         )
+        from .formats.facts import add_facts
+
+        add_facts(manifest, tmp, files, the_plan, measurement if isinstance(measurement, (str, Path)) else None, meas)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
         _publish(tmp, out)
     except BaseException:
@@ -567,13 +582,13 @@ def _manifest(
     import mlx_lm
 
     quant = {k: r for k, r in records.items() if r["option"] != "16bit"}
-    q_bits = sum(r["bits"] for r in records.values())
+    q_bits = sum(r["storage_bits"] for r in records.values())
     numel = sum(r["numel"] for r in records.values())
     budget_keys = {e.key for e in plan.tensors if e.scope == "budget"}
-    b_bits = sum(r["bits"] for k, r in records.items() if k in budget_keys)
+    b_bits = sum(r["storage_bits"] for k, r in records.items() if k in budget_keys)
     b_numel = sum(r["numel"] for k, r in records.items() if k in budget_keys)
     disk = sum(f.stat().st_size for f in files)
-    packed = sum(r["bits"] for r in quant.values()) // 8
+    packed = sum(r["storage_bits"] for r in quant.values()) // 8
     tied = {}
     if config.get("tie_word_embeddings") or any(k.endswith("embed_tokens") for k in records) and not any(
         k.endswith("lm_head") for k in records
@@ -589,7 +604,7 @@ def _manifest(
         "mlx": mx.__version__,
         "accounting": {
             "packed_bytes": int(packed),
-            "dense_bytes": int(sum(r["bytes"] for k, r in records.items() if k not in quant)),
+            "kept16_bytes": int(sum(r["bytes"] for k, r in records.items() if k not in quant)),
             "predicted_tensor_bytes": int(q_bits // 8),
             "other_bytes": int(other_bytes),
             "predicted_bytes": int(q_bits // 8 + other_bytes),
