@@ -30,15 +30,15 @@ MODULE = {"nbits": "bits", "group_size": "group_size", "in_features": "in_featur
           "runtime_backend": "runtime"}
 RESULTS = {"Method": "method", "Model": "model", "PPL": "perplexity", "ModelSizeGB": "model_size_gb",
            "OriginalSizeGB": "original_size_gb", "QuantTime": "quantization_seconds", "Params": "params_text",
-           "zeroshot_avg": "tasks_average"}
+           "zeroshot_avg": "zeroshot_average"}  # seed 004: mean of its tasks but gsm8k_cot, mmlu
 TOP = {"base_model": "base_model", "format": "format", "format_version": "format_version", "method": "method",
        "model_class": "model_class"}
 
 
 def is_form(data: Any) -> bool:
     """Whether a parsed JSON document is a dashq record."""
-    return isinstance(data, dict) and (data.get("method") == "dashq" or str(data.get("format", "")).startswith(
-        "dashq")) and "quantized_modules" in data
+    return (isinstance(data, dict) and isinstance(data.get("quantized_modules"), dict)
+            and isinstance(data.get("params"), dict) and "format" in data and "method" in data)
 
 
 def _rename(d: Mapping, table: Mapping[str, str]) -> tuple[dict, dict]:
@@ -56,7 +56,7 @@ def _unrename(d: Mapping, table: Mapping[str, str], extra: Mapping) -> dict:
 def from_dashq(data: Mapping) -> dict:
     """A dashq record in our record form (every field kept; unknown ones under ``extra``)."""
     if not is_form(data):
-        raise ValueError("not a dashq record (needs method/format dashq and quantized_modules)")
+        raise ValueError("not a dashq record (needs format, method, params and quantized_modules)")
     top, top_extra = _rename({k: v for k, v in data.items() if k not in ("params", "quantized_modules", "results")},
                              TOP)
     technique, t_extra = _rename(data.get("params") or {}, PARAMS)
@@ -107,7 +107,7 @@ def describe(data: Mapping) -> str:
     lines = [f"dashq record: {rec.get('method')} on {rec.get('base_model')} ({rec.get('format')} "
              f"v{rec.get('format_version')}), {len(rec['modules'])} packed modules",
              "technique: " + ", ".join(f"{k}={v}" for k, v in rec["technique"].items())]
-    for k in ("perplexity", "model_size_gb", "original_size_gb", "quantization_seconds", "tasks_average"):
+    for k in ("perplexity", "model_size_gb", "original_size_gb", "quantization_seconds", "zeroshot_average"):
         if k in res:
             lines.append(f"{k:22s} {res[k]}")
     for k, v in (res.get("tasks") or {}).items():
@@ -153,8 +153,8 @@ def record_from_manifest(manifest: Mapping) -> dict:
                    "quantization_seconds": res.get("quantization_seconds", prov.get("quantization_seconds")),
                    "kl_divergence": res.get("kl_divergence"), "bits_per_weight": res.get("bits_per_weight"),
                    "tasks": dict(res.get("tasks") or {})}
-        if results["tasks"]:
-            results["tasks_average"] = sum(results["tasks"].values()) / len(results["tasks"])
+        if res.get("zeroshot_average") is not None:  # which tasks count as zero-shot is the evaluator's call
+            results["zeroshot_average"] = res["zeroshot_average"]
     return {"schema": RECORD_SCHEMA, "base_model": (prov.get("source") or {}).get("spec"),
             "format": "mlx-affine", "format_version": manifest.get("schema_version"), "method": "mlx_dq",
             "model_class": (prov.get("source") or {}).get("model_type"), "technique": technique,

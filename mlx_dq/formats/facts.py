@@ -18,6 +18,12 @@ from .common import file_digest
 QUANT_METHOD = "mlx_dq"
 
 
+def _words(group_size: int, bits: int) -> int | float:
+    """uint32 words one group's codes take (a whole number for every MLX group size and width but 3/5/6 at g32)."""
+    w = group_size * bits / 32
+    return int(w) if w == int(w) else w
+
+
 def packing_facts(opt: QuantOption, shape: Sequence[int], dtype: str) -> dict:
     """How one tensor is packed: MLX affine codes in uint32 words, one scale and one bias per group.
 
@@ -33,7 +39,7 @@ def packing_facts(opt: QuantOption, shape: Sequence[int], dtype: str) -> dict:
     segs = []
     for seg, cols in zip(opt.segments, opt.split(in_features)):
         segs.append({"bits": seg.bits, "group_size": seg.group_size, "in_features": int(cols),
-                     "num_groups": int(cols) // seg.group_size, "words_per_group": seg.group_size * seg.bits / 32})
+                     "num_groups": int(cols) // seg.group_size, "words_per_group": _words(seg.group_size, seg.bits)})
     first = segs[0]
     out = {"kind": "affine_mixed" if opt.is_mixed else "affine", "bits": first["bits"],
            "group_size": first["group_size"], "in_features": in_features, "num_rows": num_rows,
