@@ -193,8 +193,9 @@ def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: 
 @click.option("--model", "model_spec", default=None,
               help="Model (spec, folder or config.json) whose embedding/head a measurement lacks (ExLlamaV2 "
                    "files): they get --head-option (16-bit with 'budget') and the printed bpw is the whole model's.")
-@click.option("--exl2-map", type=click.Choice(["storage", "layout"]), default="storage", show_default=True,
-              help="How ExLlamaV2 options map to MLX: nearest storage cost, or EXL2's own group sizes.")
+@click.option("--exl2-map", type=click.Choice(["storage", "layout", "uniform"]), default="storage", show_default=True,
+              help="How ExLlamaV2 options map to MLX: nearest storage cost, EXL2's own group sizes, or one "
+                   "whole-tensor width per option (stock-loadable plans with --mlx-lm-compatible).")
 @click.option("--exl2-report", type=click.Path(dir_okay=False), default=None,
               help="Write a CSV of every planned tensor's EXL2 option and bpw beside its MLX option and bpw.")
 @click.option("--mlx-config", type=click.Path(dir_okay=False), default=None,

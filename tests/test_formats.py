@@ -443,3 +443,22 @@ def test_inspect_reads_every_seed_form():
         assert res.exit_code == 0 and word in res.output, res.output
     res = run("inspect", seed_path("001"))
     assert res.exit_code == 0 and "not in this file" in res.output
+
+
+def test_exl2_uniform_mapping_makes_stock_loadable_plans_from_seed001(tmp_path):
+    """Seed 001's joint options are mixed below ~7.4 bpw; --exl2-map uniform maps each to one MLX width."""
+    seed = seed_path("001")
+    res = CliRunner().invoke(main, ["optimize", str(seed), "--bpw", "4.0", "--mlx-lm-compatible",
+                                    "-o", str(tmp_path / "p.json")])
+    assert res.exit_code != 0 and "Error:" in res.output
+    res = run("optimize", seed, "--bpw", 4.0, "--mlx-lm-compatible", "--exl2-map", "uniform",
+              "--exl2-report", tmp_path / "r.csv", "-o", tmp_path / "p.json")
+    assert res.exit_code == 0, res.output
+    plan = load_plan(tmp_path / "p.json")
+    assert 3.98 <= plan.achieved_bpw <= 4.0
+    assert all(not QuantOption.parse(e.option).is_mixed for e in plan.tensors)
+    rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+    mixed_src = [r for r in rows if "/" in r["exl2_option"]]
+    assert mixed_src  # mixed EXL2 options were chosen and stored as one width: the report says how far apart
+    assert all(float(r["difference"]) == pytest.approx(float(r["mlx_bpw"]) - float(r["exl2_bpw"]), abs=2e-4)
+               for r in rows)
