@@ -260,6 +260,7 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--head-option", default="budget", show_default=True,
               help="Option for embedding/head outside the budget, or 'budget' to plan them with the rest.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
+@click.option("--keep-outside-budget", is_flag=True, help="Kept 16-bit tensors do not count against --bpw.")
 @click.option("--calib", type=click.Path(exists=True), default=None, help="Calibration .txt/.jsonl file or folder.")
 @click.option("--rows", default=32, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
 @click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
@@ -269,9 +270,13 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--no-sequential", is_flag=True, help="Feed each layer the unquantized model's activations.")
 @click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "auto"]), default="float16", show_default=True,
+              help="Dtype of scales, biases and 16-bit tensors (auto: the source's; bfloat16 needs --method rtn).")
 def convert(model_spec: str, bpw: float | None, output: str, measurement: str | None, plan_path: str | None,
-            mlx_lm_compatible: bool, promote_mixed: bool, head_option: str, keep: tuple[str, ...], calib: str | None, rows: int,
-            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, force: bool) -> None:
+            mlx_lm_compatible: bool, promote_mixed: bool, head_option: str, keep: tuple[str, ...],
+            keep_outside_budget: bool, calib: str | None, rows: int,
+            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, force: bool,
+            dtype: str) -> None:
     """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads."""
     from mlx_dq.convert import convert as run_convert
 
@@ -282,8 +287,9 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
             model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
             mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed,
             head_option=None if head_option == "budget" else head_option,
-            keep=keep, calib=calib, rows=rows, seq_len=seq_len, seed=seed, method=method,
-            sequential=not no_sequential, clip=not no_clip, force=force,
+            keep=keep, keep_outside_budget=keep_outside_budget, calib=calib, rows=rows, seq_len=seq_len, seed=seed,
+            method=method,
+            sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
             measure_kwargs={"rows": rows, "seq_len": seq_len},
         )
     except (ValueError, FileExistsError, OSError) as e:

@@ -75,6 +75,7 @@ def quantize_tensor(
     damp: float = DEFAULT_DAMP,
     promote: bool = False,
     factor_cache: dict | None = None,
+    scale_dtype: mx.Dtype = mx.float16,
 ) -> QuantizedTensor:
     """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip.
 
@@ -85,15 +86,17 @@ def quantize_tensor(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if option.keep16:
-        return quantize_weight(w, option)
+        return quantize_weight(w, option, scale_dtype=scale_dtype)
     natural = promote and option.is_mixed
     if method == "gptq" and gram is not None:
         from .gptq import gptq_quantize
 
+        if scale_dtype != mx.float16:
+            raise ValueError("GPTQ rounds its codes against float16 scales: bfloat16 output needs method rtn")
         qt = gptq_quantize(w, option, gram, damp=damp, clip=clip, natural_order=natural,
                            factor_cache=factor_cache)
     else:
-        qt = quantize_weight(w, option, gram=gram, clip=clip, natural_order=natural)
+        qt = quantize_weight(w, option, gram=gram, clip=clip, scale_dtype=scale_dtype, natural_order=natural)
     return promote_to_uniform(qt) if natural else qt
 
 
@@ -203,6 +206,7 @@ def resolve_plan(
     keep: Iterable[str],
     measure_kwargs: dict,
     progress: bool,
+    keep_outside_budget: bool = False,
 ) -> tuple[Plan, Measurement | None]:
     """The plan to apply: given as is, or optimized from a given or freshly measured measurement."""
     if isinstance(plan, dict):
@@ -221,7 +225,8 @@ def resolve_plan(
         m = measure(source, out_path=measurement_path, progress=progress, **measure_kwargs)
     else:
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
-    p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible)
+    p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible,
+                 keep_outside_budget=keep_outside_budget)
     from .formats.common import model_modules
     from .formats.exl2 import complete_head
 
@@ -265,6 +270,7 @@ def quantize_stream(
     batch_size: int = 4,
     progress: bool = True,
     _fail_after_layer: int | None = None,
+    scale_dtype: mx.Dtype = mx.float16,
 ) -> Iterator[tuple | dict]:
     """Quantize ``source`` one decoder layer at a time over calibration ``tokens``.
 
@@ -294,7 +300,7 @@ def quantize_stream(
             gram = st.gram if st is not None else None
             w = mod.weight
             qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=method, clip=clip, damp=damp,
-                                 promote=promote_mixed)
+                                 promote=promote_mixed, scale_dtype=scale_dtype)
             yield path, mod, qt, gram, w
 
     _load_into(net, dict(source.other_weights()))
@@ -448,6 +454,7 @@ def convert(
     promote_mixed: bool = False,
     head_option: str | None = None,
     keep: Iterable[str] = (),
+    keep_outside_budget: bool = False,
     calib: str | Path | None = None,
     rows: int = DEFAULT_ROWS,
     seq_len: int = DEFAULT_SEQ_LEN,
@@ -468,6 +475,8 @@ def convert(
     Returns the manifest written to ``out_dir/mlx_dq.json``. ``head_option``
     None puts embedding/head into the bpw budget (so ``bpw`` is the whole
     model's average); a description fixes them outside it.
+    ``dtype`` is the dtype of scales, biases and 16-bit tensors: float16, bfloat16 (with
+    ``method="rtn"``) or auto (bfloat16 when the source's config says so).
     """
     from . import __version__
     from . import calib as calib_mod
@@ -476,13 +485,19 @@ def convert(
     t_start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    out_dtype = {"float16": mx.float16}.get(dtype)
-    if out_dtype is None:  # scales and biases are float16 (the codes are rounded against them)
-        raise ValueError(f"dtype must be float16 (bfloat16 outputs are not supported yet), got {dtype!r}")
+    if dtype not in ("float16", "bfloat16", "auto"):
+        raise ValueError(f"dtype must be float16, bfloat16 or auto (the source's), got {dtype!r}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FileExistsError(f"{out} already exists and is not empty; pass force=True (--force) to replace it")
     source = resolve(str(model))
+    if dtype == "auto":  # a bfloat16 source stays bfloat16 (scales, biases and 16-bit tensors)
+        declared = source.config.get("torch_dtype") or source.config.get("dtype") or ""
+        dtype = "bfloat16" if str(declared).endswith("bfloat16") else "float16"
+    out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
+    if out_dtype == mx.bfloat16 and method == "gptq":
+        raise ValueError("bfloat16 output needs method rtn (--method rtn): GPTQ rounds its codes against "
+                         "float16 scales")
     mkw = dict(measure_kwargs or {})
     mkw.setdefault("calib", calib)
     mkw.setdefault("seed", seed)
@@ -492,7 +507,7 @@ def convert(
     the_plan, meas = resolve_plan(
         source, bpw=bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
         mlx_lm_compatible=mlx_lm_compatible, head_option=head_option, keep=keep, measure_kwargs=mkw,
-        progress=progress,
+        progress=progress, keep_outside_budget=keep_outside_budget,
     )
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
 
@@ -505,7 +520,7 @@ def convert(
         qconf: dict[str, dict] = {}
         stream = quantize_stream(source, options, tokens, method=method, sequential=sequential, clip=clip,
                                  damp=damp, promote_mixed=promote_mixed, progress=progress,
-                                 _fail_after_layer=_fail_after_layer)
+                                 _fail_after_layer=_fail_after_layer, scale_dtype=out_dtype)
         other_bytes = 0
         for item in stream:
             if isinstance(item, dict):  # parameters that stay as they are (norms, biases)
@@ -525,7 +540,7 @@ def convert(
             records[path] = _record(qt, gram, w, arrays, dtype)
 
         files = writer.close()
-        config = _output_config(source.config, qconf, mixed)
+        config = _output_config(source.config, qconf, mixed, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if mixed:
             (tmp / MODEL_FILE).write_text(MODEL_FILE_TEXT)
@@ -557,10 +572,10 @@ def convert(
     return manifest
 
 
-def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict]) -> dict:
+def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: str = "float16") -> dict:
     """config.json for the output: source config + mlx-lm ``quantization`` (+ ``model_file`` and mixed layers)."""
     config = {k: v for k, v in src.items() if k not in ("quantization", "quantization_config", "model_file")}
-    config["torch_dtype"] = "float16"
+    config["torch_dtype"] = dtype
     if qconf:
         weight = {}
         for e in qconf.values():

@@ -427,10 +427,13 @@ def test_convert_with_a_measurement_lacking_the_head_applies_head_option(tiny_ll
     save_measurement(m, tmp_path / "m.json")
     res = run("convert", "--model", tiny_llama, "--measurement", tmp_path / "m.json", "--bpw", 4.0,
               "--head-option", "1.0:8b_64g", "-o", tmp_path / "out", "--method", "rtn", "--rows", 2,
-              "--seq-len", 32)
+              "--seq-len", 32, "--keep", "model.layers.0.mlp.down_proj", "--keep-outside-budget")
     assert res.exit_code == 0, res.output
     q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
     assert q["model.embed_tokens"]["bits"] == 8 and q["lm_head"]["bits"] == 8
+    assert "model.layers.0.mlp.down_proj" not in q  # kept 16-bit, and outside the 4.0 bpw budget:
+    plan = load_plan(tmp_path / "out" / "plan.json")
+    assert plan.numel == m.numel() - m.tensors["model.layers.0.mlp.down_proj"].numel and plan.achieved_bpw <= 4.0
     assert "not in the measurement" in res.output
     whole = float(re.search(r"whole model ([0-9.]+) bpw", res.output).group(1))
     manifest = json.loads((tmp_path / "out" / "mlx_dq.json").read_text())
@@ -462,3 +465,46 @@ def test_exl2_uniform_mapping_makes_stock_loadable_plans_from_seed001(tmp_path):
     assert mixed_src  # mixed EXL2 options were chosen and stored as one width: the report says how far apart
     assert all(float(r["difference"]) == pytest.approx(float(r["mlx_bpw"]) - float(r["exl2_bpw"]), abs=2e-4)
                for r in rows)
+
+
+@pytest.mark.parametrize("name", ["import-plan", "export"])
+def test_new_commands_have_help(name):
+    res = run(name, "--help")
+    assert res.exit_code == 0 and res.output.startswith(f"Usage: mlx_dq {name}")
+
+
+def test_bfloat16_source_stays_bfloat16(tmp_path):
+    """--dtype auto on a bfloat16 source: scales, biases and 16-bit tensors in bfloat16, codes rounded against
+    exactly those scales (without clip search: equal to mx.quantize of the bfloat16 weight)."""
+    from fixtures_models import make_tiny_model_folder
+    from mlx_lm import load
+
+    src = make_tiny_model_folder(tmp_path, "llama", 2, dtype=mx.bfloat16, name="bf16")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    plan = {"model.layers.0.mlp.down_proj": "1.0:4b_64g", "model.layers.1.self_attn.q_proj": "1.0:3b_32g"}
+    from mlx_dq.convert import convert
+
+    convert(str(src), tmp_path / "out", plan=plan, method="rtn", clip=False, dtype="auto", rows=2, seq_len=32,
+            progress=False)
+    out = tmp_path / "out"
+    arrays = mx.load(str(out / "model.safetensors"))
+    src_w = mx.load(str(src / "model.safetensors"))
+    for key, desc in plan.items():
+        opt = QuantOption.parse(desc)
+        seg = opt.segments[0]
+        assert arrays[f"{key}.scales"].dtype == mx.bfloat16 and arrays[f"{key}.biases"].dtype == mx.bfloat16
+        w, s, b = mx.quantize(src_w[f"{key}.weight"], group_size=seg.group_size, bits=seg.bits)
+        assert s.dtype == mx.bfloat16
+        assert mx.array_equal(arrays[f"{key}.weight"], w) and mx.array_equal(arrays[f"{key}.scales"], s)
+    assert arrays["model.layers.0.self_attn.k_proj.weight"].dtype == mx.bfloat16
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    manifest = json.loads((out / "mlx_dq.json").read_text())
+    assert manifest["modules"]["model.layers.0.mlp.down_proj"]["packing"]["scale_dtype"] == "bfloat16"
+    model, _ = load(str(out))
+    logits = model(mx.array([[1, 2, 3]]))
+    assert np.isfinite(np.array(logits.astype(mx.float32))).all()
+    with pytest.raises(ValueError, match="needs method rtn"):
+        convert(str(src), tmp_path / "out2", plan=plan, method="gptq", dtype="bfloat16", rows=2, seq_len=32,
+                progress=False)
+    assert not (tmp_path / "out2").exists()
