@@ -215,6 +215,7 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
         part_map = keeprules.parse_parts(parts)
         counts = keeprules.parse_keep_counts(keep_most_sensitive)
         keeprules.check_parts(counts, part_map)
+        _not_another_form(measurement)
         m = meas.load_measurement(measurement, exl2_map=exl2_map)
         plan = opt.optimize(m, bpw, head_option=head, keep=keep, keep_most_sensitive=counts, parts=part_map,
                             mlx_lm_compatible=mlx_lm_compatible, keep_outside_budget=keep_outside_budget)
@@ -464,3 +465,16 @@ def export(source: str, form: str, output: str) -> None:
         raise click.ClickException(str(e)) from None
     write_json_atomic(out, output)
     click.echo(f"wrote {output} ({form})")
+
+
+def _not_another_form(path: str) -> None:
+    """A one-line error that says what a file is when a measurement was expected but another form came."""
+    from mlx_dq.formats import detect
+    from mlx_dq.formats.common import read_json
+
+    kind = detect(read_json(path))
+    if kind in ("dynquant", "mlx_kept16", "mlx_dq.plan"):
+        raise ValueError(f"{path} is a {kind} file, not a measurement: apply it with "
+                         f"'mlx_dq convert --plan {path}' (or 'mlx_dq import-plan'), view it with 'mlx_dq inspect'")
+    if kind in ("dashq", "mlx_dq.manifest"):
+        raise ValueError(f"{path} is a {kind} file, not a measurement: view it with 'mlx_dq inspect'")

@@ -259,6 +259,15 @@ def test_exported_dynquant_and_kept16_forms_reimport_to_the_same_widths(converte
             assert got.get(k, "16bit") == r["option"], (form, k)
         shown = run("inspect", path)
         assert shown.exit_code == 0 and ("dynquant manifest" in shown.output or "kept 16-bit" in shown.output)
+    # a plan exports too (widths from the plan; no files or byte counts to state)
+    res = run("export", out / "plan.json", "--to", "dynquant", "-o", tmp_path / "plan-dq.json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "plan-dq.json").read_text())
+    plan = load_plan(out / "plan.json")
+    assert {k: v["bits"] for k, v in doc["layers"].items()} == {
+        e.key: QuantOption.parse(e.option).segments[0].bits for e in plan.tensors if e.option != "16bit"}
+    res = CliRunner().invoke(main, ["export", str(out / "plan.json"), "--to", "dashq", "-o", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "needs a manifest" in res.output
 
 
 def test_convert_applies_a_kept16_config(tiny_llama, tmp_path):
@@ -508,3 +517,16 @@ def test_bfloat16_source_stays_bfloat16(tmp_path):
         convert(str(src), tmp_path / "out2", plan=plan, method="gptq", dtype="bfloat16", rows=2, seq_len=32,
                 progress=False)
     assert not (tmp_path / "out2").exists()
+
+
+def test_wrong_forms_get_one_line_errors(tiny_llama, tmp_path):
+    res = CliRunner().invoke(main, ["optimize", str(seed_path("002")), "--bpw", "3"])
+    assert res.exit_code != 0 and "dynquant file, not a measurement" in res.output and "convert --plan" in res.output
+    res = CliRunner().invoke(main, ["convert", "--model", str(tiny_llama), "--plan", str(seed_path("004")),
+                                    "-o", str(tmp_path / "out")])
+    assert res.exit_code != 0 and "Error:" in res.output and "not a plan" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "out").exists()
+    (tmp_path / "broken.json").write_text(json.dumps({"schema": "dynquant_checkpoint_v2", "layers": {"x": {}}}))
+    res = CliRunner().invoke(main, ["convert", "--model", str(tiny_llama), "--plan", str(tmp_path / "broken.json"),
+                                    "-o", str(tmp_path / "out")])
+    assert res.exit_code != 0 and "no integer bits" in res.output

@@ -58,7 +58,7 @@ def describe(data: Mapping) -> str:
 
 def from_ours(doc: Mapping) -> dict:
     """Our plan or manifest in this form (the plan's keep rule, if any, as ``scan``)."""
-    from ..optimize import Plan, PlanEntry, load_plan, plan_to_mlx_config  # noqa: F401
+    from ..optimize import Plan, PlanEntry, plan_to_mlx_config
 
     if doc.get("format") == "mlx_dq.plan":
         entries = [PlanEntry(**e) for e in doc["tensors"]]
