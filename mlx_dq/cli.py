@@ -450,7 +450,8 @@ def export(source: str, form: str, output: str) -> None:
     path = Path(source) / "mlx_dq.json" if Path(source).is_dir() else Path(source)
     try:
         doc = read_json(path)
-        if not isinstance(doc, dict) or not (doc.get("schema") == "mlx_dq.manifest" or doc.get("format") == "mlx_dq.plan"):
+        ours = isinstance(doc, dict) and (doc.get("schema") == "mlx_dq.manifest" or doc.get("format") == "mlx_dq.plan")
+        if not ours:
             raise ValueError(f"{path}: not an mlx_dq manifest or plan")
         if form == "dynquant":
             out = dynquant.from_ours(doc)
