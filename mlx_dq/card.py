@@ -261,7 +261,7 @@ def render_card(manifest: dict, *, name: str, ref: str, metadata: dict | None = 
         "## Bit map\n\nBits per weight of each tensor, one row per decoder layer (`mlx_dq inspect` prints the same):"
         f"\n\n```text\n{grid}\n```",
         _marked("results", results_section(manifest, ref)),
-        "## How it was made\n\n```bash\n" + (command or "(made through the Python API; command not recorded)")
+        "## How it was made\n\n```bash\n" + (command or "(not recorded)")
         + "\n```",
         _marked("load", load_section(manifest, ref)),
     ]

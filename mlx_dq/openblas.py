@@ -46,7 +46,7 @@ def maybe_reexec() -> None:
     lib = os.environ.get(PATH_VAR) or OPENBLAS_PATH
     value = preload_value(sys.platform, os.environ, os.path.isfile(lib), lib)
     argv = getattr(sys, "orig_argv", None)
-    if value is None or not argv:
+    if value is None or not argv or not sys.executable:
         return
     env = dict(os.environ, LD_PRELOAD=value, **{GUARD_VAR: "1"})
     print(f"mlx_dq: preloading OpenBLAS ({lib}) for faster CPU matrix products; {OPT_OUT_VAR}=1 turns this off",
