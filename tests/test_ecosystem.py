@@ -364,3 +364,10 @@ def test_mlx_dq_convert_is_callable_whatever_is_imported_first(first):
                           env=dict(os.environ, MLX_DQ_NO_OPENBLAS="1"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "['hf_path', 'mlx_path']"
+
+
+def test_upload_command_and_option_have_help():
+    res = CliRunner().invoke(main, ["upload", "--help"])
+    assert res.exit_code == 0 and res.output.startswith("Usage: mlx_dq upload")
+    res = CliRunner().invoke(main, ["convert", "--help"])
+    assert "--upload-repo" in res.output
