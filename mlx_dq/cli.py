@@ -25,7 +25,31 @@ def _parameter_count(config: dict[str, Any]) -> int | None:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-@click.group(name="mlx_dq", context_settings=CONTEXT)
+class _Main(click.Group):
+    """The command group; run as a program it first preloads OpenBLAS on Linux and records its arguments."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from mlx_dq.openblas import maybe_reexec
+
+        maybe_reexec()
+        return super().__call__(*args, **kwargs)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        argv = list(args)
+        ctx = super().make_context(info_name, args, parent=parent, **extra)
+        ctx.meta["mlx_dq.argv"] = argv  # the exact command, for model cards
+        return ctx
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The ``mlx_dq ...`` command line that is running, shell-quoted."""
+    import shlex
+
+    return shlex.join(["mlx_dq", *ctx.find_root().meta.get("mlx_dq.argv", [])])
+
+
+@click.group(name="mlx_dq", cls=_Main, context_settings=CONTEXT)
 @click.version_option(package_name="mlx-dq", prog_name="mlx_dq")
 def main() -> None:
     """mlx-dq: measurement-driven mixed-precision quantization for MLX."""
@@ -136,7 +160,7 @@ def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: f
     try:
         from mlx_dq import plots
     except ImportError as e:
-        raise click.ClickException(f"plotting needs matplotlib ({e}): pip install 'mlx-dq[notebook]'") from None
+        raise click.ClickException(f"plotting needs matplotlib, a dependency of mlx-dq ({e}): pip install matplotlib") from None
     try:
         paths = plots.save_figures(m, out_dir, targets=targets, heatmap_at=heatmap_at, quality_csv=quality)
     except ValueError as e:
@@ -273,17 +297,22 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "auto"]), default="float16", show_default=True,
               help="Dtype of scales, biases and 16-bit tensors (auto: the source's; bfloat16 needs --method rtn).")
-def convert(model_spec: str, bpw: float | None, output: str, measurement: str | None, plan_path: str | None,
-            mlx_lm_compatible: bool, promote_mixed: bool, head_option: str, keep: tuple[str, ...],
-            keep_outside_budget: bool, calib: str | None, rows: int,
-            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, force: bool,
-            dtype: str) -> None:
+@click.option("--upload-repo", default=None, metavar="USER/NAME",
+              help="Upload the finished folder to this Hugging Face repo (network and token checked first).")
+@click.pass_context
+def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str, measurement: str | None,
+            plan_path: str | None, mlx_lm_compatible: bool, promote_mixed: bool, head_option: str,
+            keep: tuple[str, ...], keep_outside_budget: bool, calib: str | None, rows: int, seq_len: int, seed: int,
+            method: str, no_sequential: bool, no_clip: bool, force: bool, dtype: str, upload_repo: str | None) -> None:
     """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads."""
     from mlx_dq.convert import convert as run_convert
+    from mlx_dq.hub import check_upload_ready
 
     if bpw is None and plan_path is None:
         raise click.UsageError("give --bpw (a target) or --plan (a plan file)")
     try:
+        if upload_repo is not None:
+            check_upload_ready(upload_repo)  # before any work: a long conversion must not end in "offline"
         manifest = run_convert(
             model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
             mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed,
@@ -292,6 +321,7 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
             method=method,
             sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
             measure_kwargs={"rows": rows, "seq_len": seq_len},
+            command=_command_line(ctx), card_ref=upload_repo,
         )
     except (ValueError, FileExistsError, OSError) as e:
         raise click.ClickException(str(e)) from None
@@ -301,6 +331,8 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
                f"{manifest['provenance']['quantization_seconds']:.0f} s")
     _convert_notes(output)
     click.echo(f"load with: {manifest['loading']}")
+    if upload_repo is not None:
+        _upload(output, upload_repo, private=False, after_convert=True)
 
 
 @main.command(context_settings=CONTEXT)
@@ -378,6 +410,9 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
     if write and folder is not None and evaluate.read_manifest(folder) is not None:
         block = evaluate.results_block(result, base_model, evaluate.read_manifest(folder))
         click.echo(f"results written to {evaluate.write_results(folder, block)}")
+        from mlx_dq.card import update_card
+
+        click.echo(f"model card updated: {update_card(folder, evaluate.read_manifest(folder))}")
 
 
 def _write_csv(rows: list[dict], path: str) -> None:
@@ -479,3 +514,37 @@ def _not_another_form(path: str) -> None:
                          f"'mlx_dq convert --plan {path}' (or 'mlx_dq import-plan'), view it with 'mlx_dq inspect'")
     if kind in ("dashq", "mlx_dq.manifest"):
         raise ValueError(f"{path} is a {kind} file, not a measurement: view it with 'mlx_dq inspect'")
+
+
+def _upload(folder: str, repo_id: str, private: bool, after_convert: bool = False) -> None:
+    """Upload ``folder`` to ``repo_id``, or fail with one line that says the local folder is intact."""
+    from mlx_dq.api import upload as api_upload
+    from mlx_dq.hub import HubError
+
+    try:
+        url = api_upload(folder, repo_id, private=private)
+    except HubError as e:
+        later = f"; upload it later with `mlx_dq upload {folder} {repo_id}`" if after_convert else ""
+        raise click.ClickException(f"{e} (the local folder {folder} is complete{later})") from None
+    click.echo(f"uploaded {folder} to {url}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("repo_id", metavar="USER/NAME")
+@click.option("--private", is_flag=True, help="Create the repo as private.")
+@click.option("--list", "list_only", is_flag=True, help="Only list the files an upload would send.")
+def upload(folder: str, repo_id: str, private: bool, list_only: bool) -> None:
+    """Upload a converted model FOLDER (weights, config, tokenizer, card, manifest) to the hub repo USER/NAME."""
+    from mlx_dq.hub import HubError, check_repo_id, upload_files
+
+    try:
+        check_repo_id(repo_id)
+        files = upload_files(folder)
+    except HubError as e:
+        raise click.ClickException(str(e)) from None
+    if list_only:
+        for f in files:
+            click.echo(f)
+        return
+    _upload(folder, repo_id, private)

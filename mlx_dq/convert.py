@@ -468,6 +468,8 @@ def convert(
     force: bool = False,
     progress: bool = True,
     measure_kwargs: dict | None = None,
+    command: str | None = None,
+    card_ref: str | None = None,
     _fail_after_layer: int | None = None,
 ) -> dict:
     """Convert ``model`` (any source :func:`mlx_dq.sources.resolve` accepts) into an MLX folder ``out_dir``.
@@ -476,7 +478,9 @@ def convert(
     None puts embedding/head into the bpw budget (so ``bpw`` is the whole
     model's average); a description fixes them outside it.
     ``dtype`` is the dtype of scales, biases and 16-bit tensors: float16, bfloat16 (with
-    ``method="rtn"``) or auto (bfloat16 when the source's config says so).
+    ``method="rtn"``) or auto (bfloat16 when the source's config says so). ``command`` (the
+    command line that made it) and ``card_ref`` (the name to load it by, e.g. a
+    hub repo id) go into the folder's model card ``README.md``.
     """
     from . import __version__
     from . import calib as calib_mod
@@ -544,7 +548,9 @@ def convert(
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if mixed:
             (tmp / MODEL_FILE).write_text(MODEL_FILE_TEXT)
-        source.save_tokenizer(tmp)
+        from .hub import carry_source_files
+
+        carry_source_files(source, tmp)  # tokenizer, chat template, generation config: unchanged
         if meas is not None:
             from .measurement import save_measurement
 
@@ -562,7 +568,12 @@ def convert(
         from .formats.facts import add_facts
 
         add_facts(manifest, tmp, files, the_plan, measurement if isinstance(measurement, (str, Path)) else None, meas)
+        manifest["provenance"]["command"] = command
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        from .card import source_metadata, write_card
+
+        write_card(tmp, manifest, name=Path(card_ref or out.resolve()).name, ref=card_ref or str(out_dir),
+                   metadata=source_metadata(source), command=command)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -650,3 +661,34 @@ def _manifest(
         },
         "modules": dict(sorted(records.items())),
     }
+
+
+# --------------------------------------------------------------------------
+# ``mlx_dq.convert(hf_path, mlx_path, ...)``: this module is also the API function
+# --------------------------------------------------------------------------
+class _CallableModule(type(os)):
+    """``mlx_dq.convert`` is this module; calling it runs :func:`mlx_dq.api.convert` (mlx-lm's argument names).
+
+    The package attribute and the submodule stay one object, so ``from
+    mlx_dq.convert import convert`` and ``mlx_dq.convert(...)`` both keep working
+    whatever is imported first.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        from .api import convert as api_convert
+
+        return api_convert(*args, **kwargs)
+
+
+def _install_callable() -> None:
+    import inspect
+    import sys
+
+    from .api import convert as api_convert
+
+    mod = sys.modules[__name__]
+    mod.__class__ = _CallableModule
+    mod.__signature__ = inspect.signature(api_convert)
+
+
+_install_callable()
