@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -335,7 +336,7 @@ def test_upload_sends_exactly_the_listed_files_and_names_the_repo_in_the_card(mi
 def test_python_api_reads_like_mlx_lm(carded_source, tmp_path):
     import mlx_lm
 
-    conv_module = sys.modules["mlx_dq.convert"]
+    conv_module = importlib.import_module("mlx_dq.convert")
     assert mlx_dq.convert is conv_module and callable(mlx_dq.convert)
     from mlx_dq.convert import convert as inner, quantize_model  # noqa: F401  the module's own names still import
 
