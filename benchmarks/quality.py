@@ -1,10 +1,12 @@
 """Quality benchmark: mlx-dq against every mlx-lm quantization method, side by side, on the bundled model.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/quality.py [--model smollm2-135m] [--rows 8 --seq-len 256] [--only mlx-lm]
+        python benchmarks/quality.py [--model smollm2-135m|gemma3-270m] [--texts pydoc,shakespeare,dialog]
+            [--bpw 3.5,4] [--rows 8 --seq-len 256] [--only mlx-lm] [--select REGEX]
 
-Every variant is evaluated on the same evaluation rows (the default evaluation text, never the
-calibration text) against the float32 source model: mean KL divergence of the next-token
+Every variant is built once and evaluated on the same rows of each evaluation text (named texts of
+different kinds, see ``mlx_dq.calib.EVAL_TEXTS``, or files; never the calibration text) against the
+float32 source model: mean KL divergence of the next-token
 distributions, top-1 agreement, perplexity, bits per weight and stored size. Bits per weight
 follow one rule for every method (:func:`mlx_dq.evaluate.weight_storage`): packed codes plus 16
 bits per scale and per bias, 16 bits per unquantized element, over the weights of every Linear
@@ -12,10 +14,11 @@ and Embedding (norms and layer biases excluded; a tied head counts once). On the
 is evaluated through dequantized float32 weights.
 
 Rows: mlx-lm uniform quantization at every bits x group pair, mlx-lm's mixed_3_4 / mixed_3_6 /
-mixed_4_6 recipes, mlx-lm's dynamic_quant (its sensitivity estimate and threshold search, run on
+mixed_4_6 recipes, mlx-lm's calibrated GPTQ and AWQ at 4 bits (their defaults, and with the embedding
+at 4-bit g64 too) on mlx-dq's calibration text, mlx-lm's dynamic_quant (its sensitivity estimate and threshold search, run on
 our calibration rows), and mlx-dq (measure -> optimize -> convert) at several bpw targets, with
 mixed-proportion tensors allowed and with ``--mlx-lm-compatible``. Writes quality.csv, quality.md
-and quality.png into ``--out``; the mlx-dq measurement and dynamic_quant sensitivities are cached
+and quality.png into ``--out``, one table and one goal check per text; the mlx-dq measurement and dynamic_quant sensitivities are cached
 in ``--out/cache`` (not committed). ``--resume`` keeps rows already in the CSV for the same
 evaluation settings.
 """
@@ -61,8 +64,12 @@ BUNDLED_NOTES = [
     "SmolLM2 ties the head to the embedding: mlx-lm's mixed_* recipes give lm_head the high width, "
     "but a tied model has no lm_head, so its embedding/head takes the low width.",
 ]
-FIELDS = ["family", "method", "bpw", "kl", "kl_max", "top1", "perplexity", "size_mb", "build_s", "eval_s", "notes",
+FIELDS = ["text", "family", "method", "bpw", "kl", "kl_max", "top1", "perplexity", "size_mb", "build_s", "eval_s", "notes",
           "measure_s", "version"]
+DEFAULT_TEXTS = ("pydoc", "shakespeare", "dialog")
+# the issue's goals, per text: (mlx-dq target, mlx-lm rows it must match or beat, what they are)
+GOALS = ((3.5, ("mlx-lm 4-bit g64",), "mlx-lm 4-bit g64 (4.5 bpw)"),
+         (4.0, ("mlx-lm GPTQ", "mlx-lm AWQ"), "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ)"))
 RTN_TARGETS = (3.0, 4.0)  # mlx-dq without error compensation (measured with rounding, converted with rounding + clip)
 
 
@@ -101,19 +108,33 @@ def _tag(spec: str) -> str:
 
 
 def _settings_key(args: dict) -> str:
-    keys = ("model", "rows", "seq_len", "seed", "text_digest")
+    keys = ("model", "rows", "seq_len", "seed")
     return json.dumps({k: args[k] for k in keys}, sort_keys=True)
 
 
-def _read_existing(csv_path: Path, key: str, current_only: bool = True) -> dict[str, dict]:
-    """Rows of an earlier run with the same evaluation settings; ``current_only``: built by the code here now."""
+def _row_key(r: dict) -> tuple[str, str]:
+    return r.get("text") or "", r["method"]
+
+
+def _read_existing(csv_path: Path, key: str, current_only: bool = True,
+                   digests: dict[str, str] | None = None) -> dict[tuple[str, str], dict]:
+    """Rows of an earlier run with the same evaluation settings, keyed (text, method).
+
+    ``current_only``: built by the code here now; ``digests``: only rows of texts whose content
+    (name -> text digest, recorded beside the CSV) is still the same.
+    """
     meta = csv_path.with_suffix(".settings.json")
-    if not csv_path.exists() or not meta.exists() or meta.read_text() != key:
+    if not csv_path.exists() or not meta.exists():
+        return {}
+    saved = json.loads(meta.read_text())
+    old_digests = saved.pop("texts", {})
+    if json.dumps(saved, sort_keys=True) != key:
         return {}
     with csv_path.open() as f:
         rows = list(csv.DictReader(f))
-    return {r["method"]: r for r in rows
-            if not current_only or r["family"] == "source" or r.get("version") == code_version(r["family"])}
+    return {_row_key(r): r for r in rows
+            if (not current_only or r["family"] == "source" or r.get("version") == code_version(r["family"]))
+            and (digests is None or (r.get("text") in digests and old_digests.get(r["text"]) == digests[r["text"]]))}
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -184,94 +205,159 @@ def compensation_check(rows: list[dict]) -> list[str]:
     return out
 
 
+def goal_status(rows: list[dict]) -> list[dict]:
+    """The issue's goals on one text's rows: for each mlx-dq family, its KL at the goal target against the mlx-lm rows.
+
+    Returns one dict per (goal, family) with the figures and ``met`` (None when a row is missing).
+    """
+    out = []
+    for target, prefixes, label in GOALS:
+        lm = [r for r in rows if any(r["method"] == p or r["method"].startswith(p + " ") for p in prefixes)]
+        best = min(lm, key=lambda r: float(r["kl"])) if lm else None
+        for fam in ("mlx-dq", "mlx-dq --mlx-lm-compatible"):
+            dq = next((r for r in rows if r["family"] == fam and r["method"] == f"{fam} @{target:g}"), None)
+            met = None if dq is None or best is None else float(dq["kl"]) <= float(best["kl"])
+            out.append({"target": target, "family": fam, "label": label, "dq": dq, "lm": best, "met": met})
+    return out
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """Markdown lines: the issue's goals on one text (mlx-dq at 3.5 vs mlx-lm 4-bit g64; at 4.0 vs GPTQ/AWQ)."""
+    lines = ["", "Goals: mlx-dq at 3.5 bpw has KL <= mlx-lm 4-bit g64 (4.5 bpw); mlx-dq at 4.0 bpw has KL <= "
+             "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ).", "",
+             "| goal | mlx-dq row | bpw | KL | mlx-lm row | bpw | KL | ratio | met |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
+    for g in goal_status(rows):
+        dq, lm = g["dq"], g["lm"]
+        ratio = f"{float(dq['kl']) / float(lm['kl']):.2f}" if dq and lm else ""
+        met = {True: "yes", False: "**no**", None: "not run"}[g["met"]]
+        lines.append(f"| {g['target']:g} bpw vs {g['label']} | {dq['method'] if dq else ''} | "
+                     f"{_fmt(dq or {}, 'bpw', '.3f')} | {_fmt(dq or {}, 'kl', '.5f')} | {lm['method'] if lm else ''} | "
+                     f"{_fmt(lm or {}, 'bpw', '.3f')} | {_fmt(lm or {}, 'kl', '.5f')} | {ratio} | {met} |")
+    return lines
+
+
+def worst_text(rows: list[dict]) -> str | None:
+    """The text on which mlx-dq at 3.5 bpw does worst against mlx-lm 4-bit g64 (highest KL ratio), if both exist."""
+    ratios = {}
+    for text in {r.get("text", "") for r in rows}:
+        for g in goal_status([r for r in rows if r.get("text", "") == text]):
+            if g["family"] == "mlx-dq" and g["dq"] and g["lm"]:
+                ratios[text] = max(ratios.get(text, 0.0), float(g["dq"]["kl"]) / float(g["lm"]["kl"]))
+    return max(ratios, key=ratios.get) if ratios else None
+
+
 def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
-    """The results as a markdown table sorted by bits per weight, with the settings and caveats."""
+    """The results as one markdown table per evaluation text, sorted by bits per weight, each with its goal check."""
+    texts = info["texts"]
     lines = [
         f"# Quality: mlx-dq vs mlx-lm on {info['model']}",
         "",
-        f"Evaluation: {info['rows']} rows x {info['seq_len']} tokens of the default evaluation text "
-        f"(CPython's pydoc topics, digest {info['text_digest']}, seed {info['seed']}), "
-        f"{info['tokens']} predicted tokens; never the calibration text. KL = mean KL(source || quantized) "
+        *([f"**{info['label']}**", ""] if info.get("label") else []),
+        f"Evaluation: {info['rows']} rows x {info['seq_len']} tokens of each evaluation text (seed {info['seed']}), "
+        f"{info['tokens']} predicted tokens per text; never the calibration text. KL = mean KL(source || quantized) "
         "of the next-token distribution over every position, in nats; top-1 = how often both pick the same "
-        "next token. All models " + evaluate.CPU_NOTE + ".",
+        "next token. All models " + evaluate.CPU_NOTE + ". Every model is built once and scored on each text.",
+        "",
+        "Texts: " + "; ".join(f"`{n}` ({texts[n]['label']}, digest {texts[n]['digest']})" for n in texts) + ".",
         "",
         "bpw = stored bits of every Linear/Embedding weight (codes + 16-bit scale and bias per group, 16 bits "
         "per unquantized element; norms excluded; the tied embedding/head counted once) / weights, "
         "the same rule for every method. size = those bits plus norms at 16 bits.",
-        "",
-        "| family | method | bpw | KL | top-1 | ppl | size MB |",
-        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for r in sorted(rows, key=lambda r: (float(r["bpw"]), r["family"], r["method"])):
-        lines.append(
-            f"| {r['family']} | {r['method']} | {_fmt(r, 'bpw', '.3f')} | {_fmt(r, 'kl', '.5f')} | "
-            f"{_fmt(r, 'top1', '.4f')} | {_fmt(r, 'perplexity', '.3f')} | {_fmt(r, 'size_mb', '.1f')} |"
-        )
-    lines += goal_check(rows)
-    lines += compensation_check(rows)
+    worst = worst_text(rows)
+    if worst:
+        lines += ["", f"Worst text for mlx-dq at 3.5 bpw against mlx-lm 4-bit g64: `{worst}`."]
+    for name in texts:
+        part = [r for r in rows if r.get("text", "") == name]
+        if not part:
+            continue
+        lines += ["", f"## Text: {name}", "", "| family | method | bpw | KL | top-1 | ppl | size MB |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(part, key=lambda r: (float(r["bpw"]), r["family"], r["method"])):
+            lines.append(
+                f"| {r['family']} | {r['method']} | {_fmt(r, 'bpw', '.3f')} | {_fmt(r, 'kl', '.5f')} | "
+                f"{_fmt(r, 'top1', '.4f')} | {_fmt(r, 'perplexity', '.3f')} | {_fmt(r, 'size_mb', '.1f')} |"
+            )
+        lines += goal_lines(part)
+        lines += goal_check(part)
+        lines += compensation_check(part)
     lines += ["", "Notes:", ""]
     lines += [f"- {n}" for n in info["notes"]]
-    compute = sum(float(r.get("build_s") or 0) + float(r.get("eval_s") or 0) for r in rows) / 60
+    builds = {r["method"]: float(r.get("build_s") or 0) for r in rows}  # each model is built once for all texts
+    compute = (sum(builds.values()) + sum(float(r.get("eval_s") or 0) for r in rows)) / 60
     lines += ["", f"Command: `{info['command']}` (this run {info['wall_min']:.1f} min; building and evaluating "
               f"all rows took {compute:.0f} min on {info['machine']}, shared with other jobs)", ""]
     path.write_text("\n".join(lines))
 
 
-def write_plot(path: Path, rows: list[dict], base_ppl: float, title: str) -> None:
-    """KL divergence (log scale) and perplexity against bits per weight, mlx-lm methods vs mlx-dq."""
+def write_plot(path: Path, rows: list[dict], texts: list[str], title: str) -> None:
+    """KL divergence (log scale) against bits per weight, mlx-lm methods vs mlx-dq, one panel per evaluation text."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_kl, ax_ppl) = plt.subplots(1, 2, figsize=(13, 5.2))
-    styles: dict[str, tuple[str, str, str]] = {}
-    series: dict[str, list[tuple[float, float, float]]] = {}
-    for r in rows:
-        if r["family"] == "source":
-            continue
-        fam = r["family"]
-        if fam == "mlx-lm uniform":
-            fam = f"mlx-lm uniform g{r['method'].rsplit('g', 1)[1]}"
-        series.setdefault(fam, []).append((float(r["bpw"]), float(r["kl"]), float(r["perplexity"])))
+    texts = [t for t in texts if any(r.get("text", "") == t for r in rows)] or [""]
+    fig, axes = plt.subplots(1, len(texts), figsize=(6.5 * len(texts), 5.2), squeeze=False)
     palette = {
         "mlx-lm uniform g32": ("tab:blue", "o", "--"),
         "mlx-lm uniform g64": ("tab:cyan", "o", "--"),
         "mlx-lm uniform g128": ("tab:gray", "o", "--"),
         "mlx-lm mixed": ("tab:purple", "s", ""),
         "mlx-lm dynamic_quant": ("tab:orange", "D", ""),
+        "mlx-lm GPTQ": ("tab:olive", "v", ""),
+        "mlx-lm AWQ": ("tab:pink", "^", ""),
         "mlx-dq": ("tab:red", "*", "-"),
         "mlx-dq --mlx-lm-compatible": ("tab:green", "P", "-"),
         "mlx-dq (no compensation)": ("tab:brown", "x", ":"),
     }
-    for fam, pts in sorted(series.items()):
-        pts.sort()
-        color, marker, ls = palette.get(fam, styles.get(fam, ("black", "x", "")))
-        xs = [p[0] for p in pts]
-        for ax, col in ((ax_kl, 1), (ax_ppl, 2)):
-            ys = [p[col] for p in pts]
-            ax.plot(xs, ys, marker=marker, linestyle=ls or "none", color=color, label=fam,
-                    markersize=9 if marker == "*" else 6)
-    ax_kl.set_yscale("log")
-    ax_kl.set_ylabel("KL divergence to the source (nats, log scale)")
-    ax_ppl.axhline(base_ppl, color="black", linewidth=0.8, linestyle=":", label="source")
-    ax_ppl.set_yscale("log")
-    ax_ppl.set_ylabel("perplexity (log scale)")
-    for ax in (ax_kl, ax_ppl):
+    for ax, text in zip(axes[0], texts):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            if r["family"] == "source" or r.get("text", "") != text:
+                continue
+            fam = r["family"]
+            if fam == "mlx-lm uniform":
+                fam = f"mlx-lm uniform g{r['method'].rsplit('g', 1)[1]}"
+            series.setdefault(fam, []).append((float(r["bpw"]), float(r["kl"])))
+        for fam, pts in sorted(series.items()):
+            pts.sort()
+            color, marker, ls = palette.get(fam, ("black", "x", ""))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle=ls or "none", color=color,
+                    label=fam, markersize=9 if marker == "*" else 6)
+        ax.set_yscale("log")
+        ax.set_title(f"text: {text}" if text else "")
         ax.set_xlabel("bits per weight (scales and biases counted)")
+        ax.set_ylabel("KL divergence to the source (nats, log scale)")
         ax.grid(True, which="both", alpha=0.3)
-    ax_ppl.legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache: Path, spec: str) -> Iterator[Variant]:
+def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache: Path, spec: str,
+                    calibrated_rows: mx.array | None = None) -> Iterator[Variant]:
     """Every mlx-lm method, built lazily one at a time from the float32 model.
 
     Ordered so that a run cut short still covers the range where methods compete (2-5 bits) first.
+    ``calibrated_rows``: the calibration rows for GPTQ and AWQ (None: ``calib_rows``).
     """
+    cal_rows = calib_rows if calibrated_rows is None else calibrated_rows
+    cal_note = f"calibrated on {cal_rows.shape[0]} x {cal_rows.shape[1]} tokens of mlx-dq's calibration text"
+
+    def calibrated() -> Iterator[Variant]:
+        d = baselines.GPTQ_DEFAULTS
+        yield Variant("mlx-lm GPTQ", f"mlx-lm GPTQ 4-bit g64, embedding {d['fallback_bits']}-bit g64 (its defaults)",
+                      lambda: (baselines.gptq(model, config, cal_rows)[0], None), cal_note)
+        yield Variant("mlx-lm GPTQ", "mlx-lm GPTQ 4-bit g64, embedding 4-bit g64",
+                      lambda: (baselines.gptq(model, config, cal_rows, fallback_bits=4)[0], None), cal_note)
+        a = baselines.AWQ_DEFAULTS
+        yield Variant("mlx-lm AWQ", f"mlx-lm AWQ 4-bit g64, embedding 4-bit g{a['embed_group_size']} (its defaults)",
+                      lambda: (baselines.awq(model, config, cal_rows)[0], None), cal_note)
+        yield Variant("mlx-lm AWQ", "mlx-lm AWQ 4-bit g64, embedding 4-bit g64",
+                      lambda: (baselines.awq(model, config, cal_rows, embed_group_size=64)[0], None), cal_note)
 
     def uniform(b: int) -> Iterator[Variant]:
         for g in baselines.GROUP_SIZES:
@@ -313,14 +399,15 @@ def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache:
             )
 
     (hi_levels, hi_targets), (lo_levels, lo_targets) = DYNAMIC_RUNS
-    for part in (uniform(2), uniform(3), uniform(4), mixed(), dynamic(hi_levels, hi_targets), uniform(5),
+    for part in (uniform(4), calibrated(), uniform(3), uniform(2), mixed(), dynamic(hi_levels, hi_targets), uniform(5),
                  dynamic(lo_levels, lo_targets), uniform(6), uniform(8)):
         yield from part
 
 
 def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: tuple[str, ...] = ("mixed", "compatible"),
                     rtn_targets: tuple[float, ...] = RTN_TARGETS, head_option: str | None = None,
-                    calib_rows: int | None = None, calib_seq: int | None = None) -> Iterator[Variant]:
+                    calib_rows: int | None = None, calib_seq: int | None = None,
+                    measure_method: str = "gptq", grid: str | None = None) -> Iterator[Variant]:
     """mlx-dq at each target as a user gets it: ``measure`` -> ``optimize`` -> ``quantize_model``, library defaults.
 
     Mixed-proportion and ``--mlx-lm-compatible`` plans with error compensation (GPTQ, the default), then
@@ -339,10 +426,11 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         if method not in state:
             rows = calib_rows or meas.DEFAULT_ROWS
             seq = calib_seq or meas.DEFAULT_SEQ_LEN
-            path = cache / f"{_tag(spec)}.measurement.{method}.r{rows}x{seq}.json"
+            g = f".{_tag(grid)}" if grid else ""
+            path = cache / f"{_tag(spec)}.measurement.{method}{g}.r{rows}x{seq}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            kw = dict(rows=rows, seq_len=seq, method=method, out_path=path, progress=True)
+            kw = dict(rows=rows, seq_len=seq, method=method, out_path=path, progress=True, grid=grid)
             try:
                 state[method] = meas.measure(spec, **kw)
             except ValueError as e:  # a cached file from other settings or another version: measure afresh
@@ -354,15 +442,16 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         return state[method]
 
     def build(target: float, compatible: bool, method: str) -> tuple[nn.Module, dict]:
-        first = method not in state
-        m = measurement(method)
+        mm = measure_method if method == "gptq" else "rtn"
+        first = mm not in state
+        m = measurement(mm)
         plan = optimize(m, target, mlx_lm_compatible=compatible, head_option=head_option)
         kw = {"method": method}
         if calib_rows:
             kw.update(rows=calib_rows, seq_len=calib_seq or conv.DEFAULT_SEQ_LEN)
         # measuring time is reported apart (from the file: also right when it came from the cache)
         extra = {"measure_s": m.extra.get("timing", {}).get("total_s") or 0.0,
-                 "spent_measuring_s": state[method + "_s"] if first else 0.0}
+                 "spent_measuring_s": state[mm + "_s"] if first else 0.0}
         return conv.quantize_model(spec, plan, **kw)[0], extra
 
     runs = [("gptq", False, t) for t in targets if "mixed" in modes] + [("rtn", False, t) for t in rtn_targets]

@@ -143,14 +143,37 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
+def bos_token(tokenizer: Any) -> int | None:
+    """The token the tokenizer puts first when it encodes with special tokens (Gemma's ``<bos>``), else None.
+
+    Models trained with it (Gemma) predict very badly without it (perplexity x10), so rows start with it.
+    """
+    try:
+        with_special = list(tokenizer.encode("a", add_special_tokens=True))
+        plain = list(tokenizer.encode("a", add_special_tokens=False))
+    except TypeError:  # tokenizers whose encode takes only the text: no special-token switch
+        return None
+    if len(with_special) == len(plain) + 1 and with_special[1:] == plain:
+        return int(with_special[0])
+    return None
+
+
 def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int, seed: int = 0) -> mx.array:
     """Deterministic ``[n_rows, seq_len]`` int32 token rows drawn from texts with a seed.
 
     Rows are disjoint windows of the token stream when it is long enough; otherwise
     windows start at random offsets and may overlap one another (never another source).
+    When the tokenizer adds a beginning-of-sequence token (:func:`bos_token`), every row
+    starts with it followed by ``seq_len - 1`` tokens of text, as the model saw in training.
     """
     if n_rows < 1 or seq_len < 2:
         raise ValueError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
+    bos = bos_token(tokenizer)
+    if bos is not None:
+        rows = sample_rows(_NoBos(tokenizer), texts, n_rows, seq_len - 1, seed) if seq_len > 2 else None
+        if rows is None:
+            raise ValueError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
+        return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
     stream = tokenize_texts(tokenizer, texts)
     n = len(stream)
     if n < seq_len:
@@ -164,6 +187,16 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
         starts = rng.integers(0, n - seq_len + 1, size=n_rows)
     rows = np.stack([stream[s : s + seq_len] for s in starts])
     return mx.array(rows, dtype=mx.int32)
+
+
+class _NoBos:
+    """A tokenizer seen as one that adds no start token (its plain encoding only)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return _encode(self.tokenizer, text)
 
 
 def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_len: int,

@@ -251,3 +251,22 @@ def test_resolve_eval_texts_names_files_and_errors(tmp_path):
         calib.resolve_eval_texts("poetry")
     with pytest.raises(ValueError, match="does not exist"):
         calib.resolve_eval_texts(str(tmp_path / "gone.txt"))
+
+
+class BosWordTokenizer(WordTokenizer):
+    """Like WordTokenizer, but puts token 999 first when asked for special tokens (as Gemma's does)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [int(w) if w.isdigit() else 7 for w in text.split()]
+        return ([999] if add_special_tokens else []) + ids
+
+
+def test_rows_start_with_the_start_token_when_the_tokenizer_adds_one():
+    assert calib.bos_token(WordTokenizer()) is None
+    assert calib.bos_token(BosWordTokenizer()) == 999
+    rows = np.array(calib.sample_rows(BosWordTokenizer(), [numbered_text(1000)], 6, 16, seed=3))
+    plain = np.array(calib.sample_rows(WordTokenizer(), [numbered_text(1000)], 6, 15, seed=3))
+    assert rows.shape == (6, 16)
+    assert (rows[:, 0] == 999).all() and 999 not in rows[:, 1:]
+    np.testing.assert_array_equal(rows[:, 1:], plain)  # the same text windows, one shorter
+    assert (np.diff(rows[:, 1:], axis=1) == 1).all()
