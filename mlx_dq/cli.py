@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -129,6 +130,35 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
         _write_plots(m, plot_dir, (2.5, 3.5, 4.5), 4.0, None)
 
 
+def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | None, force: bool) -> None:
+    """Refuse outputs that would overwrite the input, a file that is not a plan (without force), or cannot be written."""
+    from mlx_dq.optimize import load_plan
+    from mlx_dq.safety import check_writable_file, same_file
+
+    for flag, path in (("-o/--output", output), ("--mlx-config", mlx_config)):
+        if path is None:
+            continue
+        if same_file(path, measurement):
+            raise ValueError(f"{flag} {path} is the input measurement: refusing to overwrite it")
+        check_writable_file(path, flag)
+    if mlx_config is not None and same_file(output, mlx_config):
+        raise ValueError("-o/--output and --mlx-config name the same file")
+    if Path(output).exists() and not force:
+        try:
+            load_plan(output)
+        except ValueError:
+            raise ValueError(f"{output} exists and is not a plan: refusing to overwrite it (pass --force)") from None
+
+
+def _unmeasured_note(m: Any) -> str:
+    """What an unfinished measurement leaves out, and the whole model's size if every unmeasured tensor stays 16-bit."""
+    n = (m.model or {}).get("num_layers")
+    done = (m.last_module_idx if m.last_module_idx is not None else -1) + 1
+    return (f"the measurement is unfinished: {done} of {n if n is not None else '?'} layers measured; tensors "
+            "not measured (later layers, embedding, head) are not in the plan and stay 16-bit; the figures below "
+            "cover the measured tensors only")
+
+
 def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: float | str,
                  quality: str | None) -> None:
     """Write a measurement's figures as PNGs into ``out_dir`` and list them."""
@@ -185,21 +215,44 @@ def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: 
               help="Option for embedding and head, outside the budget ('budget': plan them with the rest).")
 @click.option("--mlx-config", type=click.Path(dir_okay=False), default=None,
               help="Also write the plan as an MLX config (bits, group_size, mode, kept_16bit, tensors).")
+@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a plan.")
+@click.option("--allow-incomplete", is_flag=True,
+              help="Plan from an unfinished measurement (unmeasured tensors stay 16-bit).")
 def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool, keep: tuple[str, ...],
-             keep_most_sensitive: int, head_option: str, mlx_config: str | None) -> None:
+             keep_most_sensitive: int, head_option: str, mlx_config: str | None, force: bool,
+             allow_incomplete: bool) -> None:
     """Choose one option per tensor of MEASUREMENT for a bits-per-weight target with the least predicted damage."""
     from mlx_dq import measurement as meas
     from mlx_dq import optimize as opt
 
     try:
+        _check_optimize_outputs(measurement, output, mlx_config, force)
         m = meas.load_measurement(measurement)
+        notes = []
+        if not meas.measurement_complete(m):
+            if not allow_incomplete:
+                raise ValueError(
+                    f"the measurement {measurement} is unfinished (measured up to layer {m.last_module_idx}): resume "
+                    "it by running the same measure command again, or pass --allow-incomplete"
+                )
+            notes.append(_unmeasured_note(m))
         plan = opt.optimize(m, bpw, head_option=None if head_option == "budget" else head_option, keep=keep,
                             keep_most_sensitive=keep_most_sensitive or None, mlx_lm_compatible=mlx_lm_compatible)
+        mlx_doc = opt.plan_to_mlx_config(plan) if mlx_config else None
+        if mlx_config:
+            meas.write_json_atomic(mlx_doc, mlx_config)
+        try:
+            opt.save_plan(plan, output)
+        except OSError:
+            if mlx_config:
+                Path(mlx_config).unlink(missing_ok=True)
+            raise
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    opt.save_plan(plan, output)
-    if mlx_config:
-        meas.write_json_atomic(opt.plan_to_mlx_config(plan), mlx_config)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {e.filename or output}: {e.strerror or e}") from None
+    for note in notes:
+        click.echo(f"note: {note}")
     click.echo(f"target {plan.target_bpw:g} bpw: achieved {plan.achieved_bpw:.4f} bpw "
                f"({plan.used_bits:,} of {plan.budget_bits:,} bits), all tensors {plan.total_bpw:.4f} bpw")
     click.echo(f"objective {plan.objective:.6g}  lower bound {plan.lower_bound:.6g}  gap {plan.gap:.3g} "
@@ -230,15 +283,45 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
               help="GPTQ error compensation, or round-to-nearest with clip search.")
 @click.option("--no-sequential", is_flag=True, help="Feed each layer the unquantized model's activations.")
 @click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
-@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--force", is_flag=True,
+              help="Replace an existing output folder (only an earlier mlx-dq output; never one holding an input).")
+@click.option("--allow-incomplete", is_flag=True,
+              help="Use an unfinished --measurement (unmeasured tensors stay 16-bit).")
+@click.option("--allow-other-model", is_flag=True,
+              help="Use a --measurement or --plan made for another model with the same tensor names and shapes.")
 def convert(model_spec: str, bpw: float | None, output: str, measurement: str | None, plan_path: str | None,
             mlx_lm_compatible: bool, promote_mixed: bool, head_option: str, keep: tuple[str, ...], calib: str | None, rows: int,
-            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, force: bool) -> None:
-    """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads."""
+            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, force: bool,
+            allow_incomplete: bool, allow_other_model: bool) -> None:
+    """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads.
+
+    The folder is built in a hidden sibling, .OUTPUT.partial-PID, and renamed
+    into place when complete; a run that is killed leaves that folder behind,
+    and the next convert into the same parent folder removes it.
+    """
     from mlx_dq.convert import convert as run_convert
+    from mlx_dq.options import QuantOption
+    from mlx_dq.safety import check_bpw
 
     if bpw is None and plan_path is None:
         raise click.UsageError("give --bpw (a target) or --plan (a plan file)")
+    if plan_path is not None:
+        given = [flag for flag, on in (("--bpw", bpw is not None), ("--measurement", measurement is not None),
+                                       ("--keep", bool(keep)), ("--mlx-lm-compatible", mlx_lm_compatible),
+                                       ("--head-option", head_option != "budget")) if on]
+        if given:
+            raise click.UsageError(f"--plan is applied as is: {', '.join(given)} would be ignored; "
+                                   "give either --plan or a target (--bpw) with its planning options")
+    if bpw is not None:
+        try:
+            check_bpw(bpw)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--bpw") from None
+    if head_option != "budget":
+        try:
+            QuantOption.parse(head_option)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--head-option") from None
     try:
         manifest = run_convert(
             model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
@@ -247,12 +330,16 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
             keep=keep, calib=calib, rows=rows, seq_len=seq_len, seed=seed, method=method,
             sequential=not no_sequential, clip=not no_clip, force=force,
             measure_kwargs={"rows": rows, "seq_len": seq_len},
+            allow_incomplete=allow_incomplete, allow_other_model=allow_other_model,
         )
     except (ValueError, FileExistsError, OSError) as e:
         raise click.ClickException(str(e)) from None
     acc = manifest["accounting"]
-    click.echo(f"wrote {output}: {acc['average_bits']:.4f} bpw planned tensors, {acc['average_bits_all']:.4f} bpw "
-               f"all quantizable tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
+    for note in manifest["provenance"].get("checks", []):
+        click.echo(f"note: {note}")
+    planned = f"{acc['average_bits']:.4f}" if acc["average_bits"] is not None else "no"
+    click.echo(f"wrote {output}: {acc['average_bits_all']:.4f} bpw whole model (all quantizable tensors), "
+               f"{planned} bpw planned budget tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
                f"{manifest['provenance']['quantization_seconds']:.0f} s")
     click.echo(f"load with: {manifest['loading']}")
 

@@ -165,27 +165,21 @@ class ShardWriter:
 
 
 def _prepare_output(out: Path, force: bool) -> Path:
-    """Check ``out`` may be written and return a fresh temporary sibling folder to build it in."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise FileExistsError(f"{out} already exists and is not empty; pass force=True (--force) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
+    """Check ``out`` may be written and return a fresh temporary sibling folder to build it in.
+
+    Leftover ``.NAME.partial-PID`` folders of killed conversions in the same parent are removed first.
+    """
+    from .safety import guard_output_folder, make_partial_folder
+
+    guard_output_folder(out, force)
+    return make_partial_folder(out)
 
 
 def _publish(tmp: Path, out: Path) -> None:
     """Move the finished folder into place (replacing an old one only now, when the new one is complete)."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    from .safety import publish_folder
+
+    publish_folder(tmp, out)
 
 
 # --------------------------------------------------------------------------
@@ -203,12 +197,29 @@ def resolve_plan(
     keep: Iterable[str],
     measure_kwargs: dict,
     progress: bool,
+    allow_incomplete: bool = False,
+    allow_other_model: bool = False,
+    notes: list[str] | None = None,
 ) -> tuple[Plan, Measurement | None]:
-    """The plan to apply: given as is, or optimized from a given or freshly measured measurement."""
+    """The plan to apply: given as is, or optimized from a given or freshly measured measurement.
+
+    A given measurement or plan must have been made for ``source`` (fingerprint
+    and shapes; see :func:`mlx_dq.safety.check_belongs_to`) and a measurement
+    must be complete, unless the ``allow_*`` flags say otherwise; what the
+    checks could not check goes into ``notes``.
+    """
+    from .measurement import measurement_complete
+    from .safety import check_belongs_to, model_shapes
+
+    notes = [] if notes is None else notes
     if isinstance(plan, dict):
         return plan_from_options(plan, source), None
     if plan is not None:
-        return (load_plan(plan) if isinstance(plan, (str, Path)) else plan), None
+        p = load_plan(plan) if isinstance(plan, (str, Path)) else plan
+        notes += check_belongs_to("plan", str(plan if isinstance(plan, (str, Path)) else "given"),
+                                  (p.source or {}).get("model"), {e.key: e.shape for e in p.tensors}, source,
+                                  model_shapes(source.config), allow_other_model)
+        return p, None
     if bpw is None:
         raise ValueError("give a bits-per-weight target (bpw) or a plan")
     if measurement is None:
@@ -216,7 +227,20 @@ def resolve_plan(
 
         m = measure(source, out_path=measurement_path, progress=progress, **measure_kwargs)
     else:
+        where = str(measurement) if isinstance(measurement, (str, Path)) else "given"
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
+        if not measurement_complete(m):
+            if not allow_incomplete:
+                raise ValueError(
+                    f"the measurement {where} is unfinished (measured up to layer {m.last_module_idx}; embedding "
+                    "and head not measured): resume it by running the same measure command again, or pass "
+                    "--allow-incomplete to leave the unmeasured tensors 16-bit"
+                )
+            notes.append(f"the measurement {where} is unfinished (allowed by --allow-incomplete)")
+        notes += check_belongs_to("measurement", where, m.model, {k: t.shape for k, t in m.tensors.items()},
+                                  source, model_shapes(source.config), allow_other_model)
+        if m.source_format != "mlx_dq.measurement" and not any(t.role == "embed_head" for t in m.tensors.values()):
+            notes.append("the ExLlamaV2 measurement has no embedding or head records: they are not in the plan")
     p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible)
     return p, m
 
@@ -449,16 +473,22 @@ def convert(
     force: bool = False,
     progress: bool = True,
     measure_kwargs: dict | None = None,
+    allow_incomplete: bool = False,
+    allow_other_model: bool = False,
     _fail_after_layer: int | None = None,
 ) -> dict:
     """Convert ``model`` (any source :func:`mlx_dq.sources.resolve` accepts) into an MLX folder ``out_dir``.
 
     Returns the manifest written to ``out_dir/mlx_dq.json``. ``head_option``
     None puts embedding/head into the bpw budget (so ``bpw`` is the whole
-    model's average); a description fixes them outside it.
+    model's average); a description fixes them outside it. ``allow_incomplete``
+    accepts an unfinished measurement and ``allow_other_model`` a measurement or
+    plan made for another model of the same tensor names and shapes; what the
+    checks noticed is listed under ``provenance.checks`` of the manifest.
     """
     from . import __version__
     from . import calib as calib_mod
+    from .safety import check_bpw, guard_output_folder
     from .sources import resolve
 
     t_start = time.perf_counter()
@@ -468,9 +498,21 @@ def convert(
     if out_dtype is None:  # scales and biases are float16 (the codes are rounded against them)
         raise ValueError(f"dtype must be float16 (bfloat16 outputs are not supported yet), got {dtype!r}")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FileExistsError(f"{out} already exists and is not empty; pass force=True (--force) to replace it")
+    if plan is not None and (bpw is not None or measurement is not None):
+        raise ValueError("a plan is applied as is: do not give a bpw target or a measurement with it")
+    if bpw is not None:
+        check_bpw(bpw)
+    if head_option is not None:
+        QuantOption.parse(head_option)
     source = resolve(str(model))
+    guard_output_folder(out, force, [
+        ("source model", source.path if source.kind in ("folder", "gguf") else None),
+        ("measurement", measurement if isinstance(measurement, (str, Path)) else None),
+        ("plan", plan if isinstance(plan, (str, Path)) else None),
+    ])
+    if calib is not None:  # a bad calibration file fails now, not after the measurement
+        calib_mod.load_texts(calib)
+    notes: list[str] = []
     mkw = dict(measure_kwargs or {})
     mkw.setdefault("calib", calib)
     mkw.setdefault("seed", seed)
@@ -480,9 +522,15 @@ def convert(
     the_plan, meas = resolve_plan(
         source, bpw=bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
         mlx_lm_compatible=mlx_lm_compatible, head_option=head_option, keep=keep, measure_kwargs=mkw,
-        progress=progress,
+        progress=progress, allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, notes=notes,
     )
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
+    from .safety import model_shapes
+
+    unplanned = sorted(k for k in model_shapes(source.config) if k not in options)
+    if unplanned and not isinstance(plan, dict):
+        notes.append(f"{len(unplanned)} tensor(s) not in the plan stay 16-bit: {', '.join(unplanned[:4])}"
+                     + (f" (and {len(unplanned) - 4} more)" if len(unplanned) > 4 else ""))
 
     texts, tokens = calib_mod.calibration_rows(source.tokenizer(), calib, rows, seq_len, seed)
     tmp = _prepare_output(out, force)
@@ -532,6 +580,11 @@ def convert(
                       "mlx_lm_compatible": mlx_lm_compatible, "head_option": head_option},
             seconds=time.perf_counter() - t_start,
         )
+        manifest["provenance"]["checks"] = notes
+        manifest["files"] = {f.name: (tmp / f.name).stat().st_size for f in files}
+        for extra in ("model.safetensors.index.json", MODEL_FILE):
+            if (tmp / extra).exists():
+                manifest["files"][extra] = (tmp / extra).stat().st_size
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
         _publish(tmp, out)
     except BaseException:

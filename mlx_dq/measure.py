@@ -229,9 +229,23 @@ def _error_meter(w: mx.array, gram: mx.array | None, counts: np.ndarray | None) 
             onum = wnum
         den = oden if gram is not None or counts is not None else wden
         mx.eval(onum, wnum)
-        return math.sqrt(onum.item() / den.item()), math.sqrt(wnum.item() / wden.item())
+        return _relative(onum.item(), den.item()), _relative(wnum.item(), wden.item())
 
     return meter
+
+
+def _relative(num: float, den: float) -> float:
+    """sqrt(num / den); a zero reference (an all-zero tensor, pruned or padded) counts as error 0 when kept exactly."""
+    if den > 0:
+        return math.sqrt(num / den)
+    return 0.0 if num == 0 else math.sqrt(num)
+
+
+def check_finite_weight(key: str, w: mx.array) -> None:
+    """ValueError naming tensor ``key`` when its weights hold NaN or infinite values (a corrupt model)."""
+    bad = mx.logical_not(mx.isfinite(w.astype(mx.float32))).sum().item()
+    if bad:
+        raise ValueError(f"tensor {key!r} has {bad} NaN or infinite weight(s): the model file is corrupt")
 
 
 def measure_tensor(
@@ -260,6 +274,7 @@ def measure_tensor(
     """
     from .convert import quantize_tensor
 
+    check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
     quant_gram = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
