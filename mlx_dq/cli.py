@@ -348,13 +348,17 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
 @click.option("--width", default=5, show_default=True, type=click.IntRange(min=3), help="Characters per cell.")
 def inspect(folder: str, width: int) -> None:
-    """Print the per-layer bit map and the accounting of a converted model FOLDER."""
-    from mlx_dq.report import bit_map, read_manifest
+    """Print the per-layer bit map and the accounting of a converted model FOLDER, after checking it is whole."""
+    from mlx_dq.report import bit_map, check_folder, read_manifest
 
     try:
         manifest = read_manifest(folder)
+        problems = check_folder(folder, manifest)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    if problems:
+        raise click.ClickException(f"{folder} does not match its manifest: " + "; ".join(problems[:5])
+                                   + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     click.echo(bit_map(manifest, width=width))
 
 
@@ -410,3 +414,58 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
     if write and folder is not None and evaluate.read_manifest(folder) is not None:
         block = evaluate.results_block(result, base_model, evaluate.read_manifest(folder))
         click.echo(f"results written to {evaluate.write_results(folder, block)}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), required=True,
+              help="An mlx-dq output folder (mixed or not).")
+@click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads it from standard input).")
+@click.option("--max-tokens", "-m", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Most tokens to generate.")
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0.0), help="Sampling temperature.")
+@click.option("--top-p", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0), help="Nucleus sampling.")
+@click.option("--seed", default=None, type=int, help="Random seed for sampling.")
+@click.option("--chat/--no-chat", default=True, show_default=True,
+              help="Wrap the prompt in the tokenizer's chat template when it has one.")
+def generate(model_dir: str, prompt: str, max_tokens: int, temp: float, top_p: float, seed: int | None,
+             chat: bool) -> None:
+    """Generate text with an mlx-dq folder through mlx_dq.load: no code from the folder is ever run.
+
+    A thin wrapper over mlx-lm's generate; unlike mlx_lm.generate --trust-remote-code
+    it never imports the file config.json's model_file names.
+    """
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_dq.loader import load
+
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read()
+    try:
+        model, tokenizer = load(model_dir)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(f"cannot load {model_dir}: {e}") from None
+    if seed is not None:
+        mx.random.seed(seed)
+    if chat and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=False)
+    mlx_lm.generate(model, tokenizer, prompt, verbose=True, max_tokens=max_tokens,
+                    sampler=make_sampler(temp=temp, top_p=top_p))
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+def verify(folder: str) -> None:
+    """Check FOLDER's code before trusting it: its model file must be mlx-dq's own shim, byte for byte.
+
+    mlx-lm with --trust-remote-code imports whatever config.json's model_file
+    names; run this on a folder from elsewhere first (or use mlx_dq generate /
+    mlx_dq.load, which never run folder code).
+    """
+    from mlx_dq.safety import verify_model_file
+
+    try:
+        click.echo(verify_model_file(folder))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 MANIFEST_NAME = "mlx_dq.json"
 _LAYER = re.compile(r"^(.*?\.layers\.)(\d+)\.(.+)$")
@@ -17,12 +18,132 @@ def read_manifest(folder: str | Path) -> dict:
     if not path.exists():
         raise ValueError(f"{folder} has no {MANIFEST_NAME}: not an mlx-dq output folder")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(data, dict) or data.get("schema") != "mlx_dq.manifest" or "modules" not in data:
         raise ValueError(f"{path} is not an mlx-dq manifest")
     return data
+
+
+def _bad(path: Path, what: str) -> ValueError:
+    return ValueError(f"{path}: {what}")
+
+
+def check_manifest(manifest: dict, path: Path) -> None:
+    """ValueError unless the fields the bit map and the checks read have the right types and finite values."""
+    import math
+
+    from .options import QuantOption
+
+    def number(v: Any, where: str, nullable: bool = False) -> None:
+        if v is None and nullable:
+            return
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise _bad(path, f"{where} must be a finite non-negative number, got {v!r}")
+
+    modules = manifest.get("modules")
+    if not isinstance(modules, dict) or not modules:
+        raise _bad(path, "'modules' must be a non-empty object of module records")
+    for name, rec in modules.items():
+        where = f"module {name!r}"
+        if not isinstance(rec, dict):
+            raise _bad(path, f"{where} must be an object")
+        option = rec.get("option")
+        if not isinstance(option, str):
+            raise _bad(path, f"{where}: option must be a string, got {option!r}")
+        try:
+            QuantOption.parse(option)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise _bad(path, f"{where}: {e}") from None
+        shape = rec.get("shape")
+        if not isinstance(shape, list) or len(shape) < 2 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise _bad(path, f"{where}: shape must be a list of positive integers, got {shape!r}")
+        for f in ("bpw", "bits", "numel", "bytes"):
+            number(rec.get(f), f"{where}: {f}")
+        if rec["numel"] != math.prod(shape):
+            raise _bad(path, f"{where}: numel {rec['numel']} does not match shape {shape}")
+        if rec["bpw"] > 32:
+            raise _bad(path, f"{where}: bpw {rec['bpw']} is not a stored width")
+    acc = manifest.get("accounting", {})
+    if not isinstance(acc, dict):
+        raise _bad(path, "'accounting' must be an object")
+    for k, v in acc.items():
+        number(v, f"accounting.{k}", nullable=True)
+    for name in ("tied", "files"):
+        if not isinstance(manifest.get(name, {}), dict):
+            raise _bad(path, f"{name!r} must be an object")
+
+
+def check_folder(folder: str | Path, manifest: dict) -> list[str]:
+    """Problems of an output folder against its manifest: missing or resized files, config.json disagreeing.
+
+    Returns nothing when the folder is whole: every file the manifest lists exists
+    with its recorded size (older manifests: the weight files config and index
+    name), and config.json quantizes exactly the modules the manifest records, as
+    it records them.
+    """
+    from .options import QuantOption
+
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    check_manifest(manifest, path)
+    problems: list[str] = []
+    files = manifest.get("files")
+    if files:
+        for name, size in sorted(files.items()):
+            f = folder / name
+            if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+                problems.append(f"the manifest lists a file outside the folder: {name!r}")
+            elif isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                problems.append(f"the manifest records no valid size for {name}: {size!r}")
+            elif not f.is_file():
+                problems.append(f"{name} is missing")
+            elif f.stat().st_size != size:
+                problems.append(f"{name} has size {f.stat().st_size:,} bytes, the manifest records {size:,}")
+    else:
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                shards = []
+                problems.append("model.safetensors.index.json is not a valid index")
+        else:
+            shards = ["model.safetensors"]
+        problems += [f"{s} is missing" for s in shards if not (folder / str(s)).is_file()]
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError) as e:
+        return problems + [f"config.json cannot be read ({e})"]
+    quant = config.get("quantization") if isinstance(config.get("quantization"), dict) else {}
+    quant = {k: v for k, v in quant.items() if isinstance(v, dict)}
+    mixed = ((config.get("mlx_dq") or {}) if isinstance(config.get("mlx_dq"), dict) else {}).get("mixed") or {}
+    if not isinstance(mixed, dict):
+        mixed = {}
+    modules = manifest["modules"]
+    for name, rec in sorted(modules.items()):
+        opt = QuantOption.parse(rec["option"])
+        if opt.keep16:
+            if name in quant or name in mixed:
+                problems.append(f"config.json quantizes {name}, which the manifest records as 16-bit")
+        elif opt.is_mixed:
+            if not isinstance(mixed.get(name), dict) or mixed[name].get("option") != opt.desc:
+                problems.append(f"config.json does not list {name} as the mixed layer {opt.desc} of the manifest")
+        else:
+            seg = opt.segments[0]
+            want = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
+            if quant.get(name) != want:
+                problems.append(f"config.json quantizes {name} as {quant.get(name)}, the manifest records {want}")
+    for name in sorted(set(quant) | set(mixed)):
+        if name not in modules:
+            problems.append(f"config.json quantizes {name}, which the manifest does not record")
+    return problems
 
 
 def _short(name: str) -> str:

@@ -270,3 +270,39 @@ def check_belongs_to(
         raise ValueError(f"the {what} {path} does not match {source.spec}: tensor {k!r} has shape {list(s)} there "
                          f"but {list(m)} in the model" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     return notes
+
+
+# --------------------------------------------------------------------------- folder code
+def verify_model_file(folder: str | os.PathLike) -> str:
+    """Check that the only code a folder asks mlx-lm to import is mlx-dq's own shim; returns what was found.
+
+    ValueError when config.json's ``model_file`` names anything but mlx-dq's model
+    file, or when that file differs by one byte from the shim mlx-dq writes
+    (``trust_remote_code`` would import it). A folder without ``model_file`` runs
+    no folder code.
+    """
+    from .convert import MODEL_FILE, MODEL_FILE_TEXT
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{folder} is not a model folder (no config.json)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{cfg_path} cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path} is not a JSON object")
+    if "model_file" not in config:
+        return f"{folder}: config.json names no model_file: mlx-lm runs no code from this folder"
+    name = config["model_file"]
+    if name != MODEL_FILE:
+        raise ValueError(f"{cfg_path}: model_file is {name!r}, not mlx-dq's {MODEL_FILE!r}: mlx-lm with "
+                         "--trust-remote-code would import that file; do not trust this folder")
+    path = folder / MODEL_FILE
+    if path.is_symlink() or not path.is_file():
+        raise ValueError(f"{path} is missing or not a plain file")
+    if path.read_bytes() != MODEL_FILE_TEXT.encode("utf-8"):
+        raise ValueError(f"{path} differs from the model file mlx-dq writes: it was altered; do not trust this "
+                         "folder with --trust-remote-code (mlx_dq.load and mlx_dq generate never run it)")
+    return f"{folder}: {MODEL_FILE} is byte-identical to mlx-dq's shim and config.json names exactly it"

@@ -361,3 +361,43 @@ def test_inspect_checks_files_and_config_against_the_manifest(work, tmp_path):
     cfg["quantization"]["model.layers.0.mlp.up_proj"] = {"group_size": 64, "bits": 8, "mode": "affine"}
     (edited / "config.json").write_text(json.dumps(cfg))
     assert_clean_error(cli("inspect", edited), "model.layers.0.mlp.up_proj", "config.json")
+
+
+# --------------------------------------------------------------------------- generate and verify
+@pytest.fixture(scope="module")
+def mixed_folder(work) -> Path:
+    plan = _plan_file(work["llama"], work["tmp"] / "mixed-plan.json", "0.5:4b_32g/0.5:3b_64g")
+    out = work["tmp"] / "mixed"
+    r = cli("convert", "--model", work["llama"], "--plan", plan, "-o", out, *CALIB)
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["model_file"] == "mlx_dq_model.py"
+    return out
+
+
+def test_verify_passes_on_a_fresh_mixed_output_and_fails_when_altered(mixed_folder, tmp_path):
+    r = cli("verify", mixed_folder)
+    assert r.exit_code == 0, r.output
+    assert "byte-identical" in r.output
+    code = _copy(mixed_folder, tmp_path / "code")
+    with open(code / "mlx_dq_model.py", "a") as f:
+        f.write("\nimport os  # one more line\n")
+    assert_clean_error(cli("verify", code), "mlx_dq_model.py", "altered")
+    entry = _copy(mixed_folder, tmp_path / "entry")
+    (entry / "evil.py").write_text((mixed_folder / "mlx_dq_model.py").read_text())
+    cfg = json.loads((entry / "config.json").read_text())
+    cfg["model_file"] = "evil.py"
+    (entry / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(cli("verify", entry), "evil.py")
+    cfg["model_file"] = "../mixed/mlx_dq_model.py"  # a path outside the folder
+    (entry / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(cli("verify", entry), "model_file")
+
+
+def test_generate_loads_through_mlx_dq_and_never_runs_folder_code(mixed_folder, tmp_path):
+    trap = _copy(mixed_folder, tmp_path / "trap")
+    (trap / "mlx_dq_model.py").write_text("raise SystemExit('folder code ran')\n")
+    r = cli("generate", "--model", trap, "--prompt", "The quick brown", "--max-tokens", "4")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert "folder code ran" not in r.output
+    assert "Generation:" in r.output or "tokens-per-sec" in r.output
+    assert_clean_error(cli("generate", "--model", tmp_path, "--prompt", "x"), "config.json")
