@@ -774,6 +774,8 @@ def _check_bits(r: OptionRecord, shape: tuple[int, ...], where: str, path: str) 
         raise _fail(path, f"{where}: option {r.desc} does not fit {shape[-1]} inputs")
     if r.total_bits != r.option.storage_bits(shape):
         raise _fail(path, f"{where}: total_bits {r.total_bits} are not the storage of {r.desc} at shape {list(shape)}")
+    if abs(r.bpw - r.total_bits / math.prod(shape)) > 1e-6 * max(r.bpw, 1.0):
+        raise _fail(path, f"{where}: bpw {r.bpw} does not match total_bits / weights")
 
 
 def validate_measurement(m: Measurement, path: str) -> Measurement:

@@ -147,6 +147,10 @@ def _validate_plan(plan: Plan) -> None:
     for name in ("lower_bound", "gap", "multiplier"):
         if getattr(plan, name) is not None:
             finite_number(getattr(plan, name), name)
+    for name in ("budget_bits", "used_bits", "numel"):
+        v = getattr(plan, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
     if not isinstance(plan.tensors, list) or not plan.tensors:
         raise ValueError("the plan lists no tensors")
     if not isinstance(plan.source, dict) or not isinstance(plan.settings, dict) or not isinstance(plan.kept, list):

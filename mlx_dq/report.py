@@ -41,8 +41,12 @@ def check_manifest(manifest: dict, path: Path) -> None:
     def number(v: Any, where: str, nullable: bool = False) -> None:
         if v is None and nullable:
             return
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise _bad(path, f"{where} must be a finite non-negative number, got {v!r}")
+        from .safety import finite_number
+
+        try:
+            finite_number(v, where, minimum=0.0)
+        except ValueError as e:
+            raise _bad(path, str(e)) from None
 
     modules = manifest.get("modules")
     if not isinstance(modules, dict) or not modules:
@@ -66,8 +70,9 @@ def check_manifest(manifest: dict, path: Path) -> None:
             number(rec.get(f), f"{where}: {f}")
         if rec["numel"] != math.prod(shape):
             raise _bad(path, f"{where}: numel {rec['numel']} does not match shape {shape}")
-        if rec["bpw"] > 32:
-            raise _bad(path, f"{where}: bpw {rec['bpw']} is not a stored width")
+        opt = QuantOption.parse(option)
+        if rec["bits"] != opt.storage_bits(shape) or abs(rec["bpw"] - opt.bpw(shape)) > 1e-6:
+            raise _bad(path, f"{where}: bits/bpw {rec['bits']}/{rec['bpw']} are not the storage of {option}")
     acc = manifest.get("accounting", {})
     if not isinstance(acc, dict):
         raise _bad(path, "'accounting' must be an object")
@@ -92,8 +97,17 @@ def check_folder(folder: str | Path, manifest: dict) -> list[str]:
     path = folder / MANIFEST_NAME
     check_manifest(manifest, path)
     problems: list[str] = []
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted({str(v) for v in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            shards = []
+            problems.append("model.safetensors.index.json is not a valid index")
+    else:
+        shards = ["model.safetensors"]
     files = manifest.get("files")
-    if files:
+    if files is not None:
         for name, size in sorted(files.items()):
             f = folder / name
             if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
@@ -104,17 +118,15 @@ def check_folder(folder: str | Path, manifest: dict) -> list[str]:
                 problems.append(f"{name} is missing")
             elif f.stat().st_size != size:
                 problems.append(f"{name} has size {f.stat().st_size:,} bytes, the manifest records {size:,}")
-    else:
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                shards = []
-                problems.append("model.safetensors.index.json is not a valid index")
-        else:
-            shards = ["model.safetensors"]
-        problems += [f"{s} is missing" for s in shards if not (folder / str(s)).is_file()]
+        problems += [f"weight file {s} is not recorded in the manifest" for s in shards if s not in files]
+        if not files:
+            problems.append("the manifest records no files")
+    problems += [f"{s} is missing" for s in shards if not (folder / s).is_file() and not (files is not None and s in files)]
+    on_disk = manifest.get("accounting", {}).get("weights_on_disk_bytes")
+    if on_disk is not None and all((folder / s).is_file() for s in shards):
+        total = sum((folder / s).stat().st_size for s in shards)
+        if total != on_disk:
+            problems.append(f"the weight files hold {total:,} bytes, the manifest records {on_disk:,}")
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         if not isinstance(config, dict):
