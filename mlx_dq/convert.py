@@ -581,10 +581,7 @@ def convert(
             seconds=time.perf_counter() - t_start,
         )
         manifest["provenance"]["checks"] = notes
-        manifest["files"] = {f.name: (tmp / f.name).stat().st_size for f in files}
-        for extra in ("model.safetensors.index.json", MODEL_FILE):
-            if (tmp / extra).exists():
-                manifest["files"][extra] = (tmp / extra).stat().st_size
+        manifest["files"] = [{"name": f.name, "bytes": f.stat().st_size} for f in sorted(files)]
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
         _publish(tmp, out)
     except BaseException:

@@ -66,21 +66,35 @@ def check_manifest(manifest: dict, path: Path) -> None:
         if not isinstance(shape, list) or len(shape) < 2 or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
             raise _bad(path, f"{where}: shape must be a list of positive integers, got {shape!r}")
-        for f in ("bpw", "bits", "numel", "bytes"):
+        bits_field = "storage_bits" if "storage_bits" in rec else "bits"  # named storage_bits from version 2
+        for f in ("bpw", bits_field, "numel", "bytes"):
             number(rec.get(f), f"{where}: {f}")
         if rec["numel"] != math.prod(shape):
             raise _bad(path, f"{where}: numel {rec['numel']} does not match shape {shape}")
         opt = QuantOption.parse(option)
-        if rec["bits"] != opt.storage_bits(shape) or abs(rec["bpw"] - opt.bpw(shape)) > 1e-6:
-            raise _bad(path, f"{where}: bits/bpw {rec['bits']}/{rec['bpw']} are not the storage of {option}")
+        if rec[bits_field] != opt.storage_bits(shape) or abs(rec["bpw"] - opt.bpw(shape)) > 1e-6:
+            raise _bad(path, f"{where}: {bits_field}/bpw {rec[bits_field]}/{rec['bpw']} are not the storage of {option}")
     acc = manifest.get("accounting", {})
     if not isinstance(acc, dict):
         raise _bad(path, "'accounting' must be an object")
     for k, v in acc.items():
         number(v, f"accounting.{k}", nullable=True)
-    for name in ("tied", "files"):
-        if not isinstance(manifest.get(name, {}), dict):
-            raise _bad(path, f"{name!r} must be an object")
+    if not isinstance(manifest.get("tied", {}), dict):
+        raise _bad(path, "'tied' must be an object")
+
+
+def _recorded_files(files: Any, path: Path) -> dict[str, int] | None:
+    """The manifest's ``files`` list (``[{"name", "bytes", ...}]``) as name -> size."""
+    if not isinstance(files, list):
+        raise _bad(path, "'files' must be a list of {name, bytes} records")
+    out: dict[str, int] = {}
+    for i, f in enumerate(files):
+        name = f.get("name") if isinstance(f, dict) else None
+        size = f.get("bytes") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not name or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise _bad(path, f"files[{i}] must be a record with a file name and a byte count, got {f!r}")
+        out[name] = size
+    return out
 
 
 def check_folder(folder: str | Path, manifest: dict) -> list[str]:
@@ -106,21 +120,17 @@ def check_folder(folder: str | Path, manifest: dict) -> list[str]:
             problems.append("model.safetensors.index.json is not a valid index")
     else:
         shards = ["model.safetensors"]
-    files = manifest.get("files")
+    files = _recorded_files(manifest["files"], path) if "files" in manifest else None
     if files is not None:
         for name, size in sorted(files.items()):
             f = folder / name
-            if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
+            if "/" in name or "\\" in name or name.startswith("."):
                 problems.append(f"the manifest lists a file outside the folder: {name!r}")
-            elif isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                problems.append(f"the manifest records no valid size for {name}: {size!r}")
             elif not f.is_file():
                 problems.append(f"{name} is missing")
             elif f.stat().st_size != size:
                 problems.append(f"{name} has size {f.stat().st_size:,} bytes, the manifest records {size:,}")
         problems += [f"weight file {s} is not recorded in the manifest" for s in shards if s not in files]
-        if not files:
-            problems.append("the manifest records no files")
     problems += [f"{s} is missing" for s in shards if not (folder / s).is_file() and not (files is not None and s in files)]
     on_disk = manifest.get("accounting", {}).get("weights_on_disk_bytes")
     if on_disk is not None and all((folder / s).is_file() for s in shards):

@@ -169,12 +169,12 @@ def _plan_fields(doc: dict) -> tuple[list, list]:
 def _manifest_fields(doc: dict) -> tuple[list, list]:
     fields = [(("schema",), "str", True, False), (("modules",), "obj", True, False),
               (("accounting",), "obj", False, False), (("tied",), "obj", False, False),
-              (("files",), "obj", False, False)]
+              (("files",), "list", False, False)]
     for name in doc["accounting"]:
         if doc["accounting"][name] is not None:
             fields.append((("accounting", name), "num", False, False))
-    for name in doc["files"]:
-        fields.append((("files", name), "int", True, True))
+    for i in range(len(doc["files"])):
+        fields += [(("files", i, "name"), "str", True, False), (("files", i, "bytes"), "int", True, True)]
     for name in doc["modules"]:
         r = ("modules", name)
         fields += [(r + ("option",), "str", True, False), (r + ("shape",), "list", True, True),
@@ -189,7 +189,7 @@ def _manifest_extra(doc: dict, rng: random.Random) -> dict:
         rec = next(r for r in doc["modules"].values() if r["option"] != "16bit")
         doc["modules"]["model.layers.0.mlp.extra_proj"] = dict(rec)
     else:
-        doc["files"]["model-00002-of-00002.safetensors"] = 1024
+        doc["files"].append({"name": "model-00002-of-00002.safetensors", "bytes": 1024})
     return doc
 
 
