@@ -150,13 +150,32 @@ def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | Non
             raise ValueError(f"{output} exists and is not a plan: refusing to overwrite it (pass --force)") from None
 
 
-def _unmeasured_note(m: Any) -> str:
-    """What an unfinished measurement leaves out, and the whole model's size if every unmeasured tensor stays 16-bit."""
+def _unmeasured_note(m: Any, plan: Any) -> str:
+    """What an unfinished measurement leaves out, and the whole model's bpw when every unmeasured tensor stays 16-bit."""
+    from mlx_dq.safety import model_shapes
+    from mlx_dq.sources import resolve
+
     n = (m.model or {}).get("num_layers")
     done = (m.last_module_idx if m.last_module_idx is not None else -1) + 1
-    return (f"the measurement is unfinished: {done} of {n if n is not None else '?'} layers measured; tensors "
-            "not measured (later layers, embedding, head) are not in the plan and stay 16-bit; the figures below "
-            "cover the measured tensors only")
+    note = (f"the measurement is unfinished: {done} of {n if n is not None else '?'} layers measured; tensors "
+            "not measured (later layers, embedding, head) are not in the plan and stay 16-bit")
+    try:
+        shapes = model_shapes(resolve(str(m.model["spec"])).config)
+    except (KeyError, TypeError, ValueError, OSError):
+        return note + "; the model cannot be found to count them: the figures cover the measured tensors only"
+    planned = {e.key for e in plan.tensors}
+    rest = [k for k in shapes if k not in planned and k not in m.tied]
+    numel = sum(e.numel for e in plan.tensors)
+    bits = sum(e.bits for e in plan.tensors) + sum(16 * _prod(shapes[k]) for k in rest)
+    numel += sum(_prod(shapes[k]) for k in rest)
+    return note + f"; whole model: {bits / numel:.4f} bpw ({len(rest)} tensors not measured)"
+
+
+def _prod(shape: Any) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
 
 
 def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: float | str,
@@ -229,15 +248,15 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
         _check_optimize_outputs(measurement, output, mlx_config, force)
         m = meas.load_measurement(measurement)
         notes = []
-        if not meas.measurement_complete(m):
-            if not allow_incomplete:
-                raise ValueError(
-                    f"the measurement {measurement} is unfinished (measured up to layer {m.last_module_idx}): resume "
-                    "it by running the same measure command again, or pass --allow-incomplete"
-                )
-            notes.append(_unmeasured_note(m))
+        if not meas.measurement_complete(m) and not allow_incomplete:
+            raise ValueError(
+                f"the measurement {measurement} is unfinished (measured up to layer {m.last_module_idx}): resume "
+                "it by running the same measure command again, or pass --allow-incomplete"
+            )
         plan = opt.optimize(m, bpw, head_option=None if head_option == "budget" else head_option, keep=keep,
                             keep_most_sensitive=keep_most_sensitive or None, mlx_lm_compatible=mlx_lm_compatible)
+        if not meas.measurement_complete(m):
+            notes.append(_unmeasured_note(m, plan))
         mlx_doc = opt.plan_to_mlx_config(plan) if mlx_config else None
         if mlx_config:
             meas.write_json_atomic(mlx_doc, mlx_config)

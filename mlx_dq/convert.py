@@ -208,17 +208,14 @@ def resolve_plan(
     must be complete, unless the ``allow_*`` flags say otherwise; what the
     checks could not check goes into ``notes``.
     """
-    from .measurement import measurement_complete
-    from .safety import check_belongs_to, model_shapes
+    from .safety import check_measurement_input, check_plan_input
 
     notes = [] if notes is None else notes
     if isinstance(plan, dict):
         return plan_from_options(plan, source), None
     if plan is not None:
         p = load_plan(plan) if isinstance(plan, (str, Path)) else plan
-        notes += check_belongs_to("plan", str(plan if isinstance(plan, (str, Path)) else "given"),
-                                  (p.source or {}).get("model"), {e.key: e.shape for e in p.tensors}, source,
-                                  model_shapes(source.config), allow_other_model)
+        notes += check_plan_input(p, plan, source, allow_other_model)
         return p, None
     if bpw is None:
         raise ValueError("give a bits-per-weight target (bpw) or a plan")
@@ -227,20 +224,8 @@ def resolve_plan(
 
         m = measure(source, out_path=measurement_path, progress=progress, **measure_kwargs)
     else:
-        where = str(measurement) if isinstance(measurement, (str, Path)) else "given"
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
-        if not measurement_complete(m):
-            if not allow_incomplete:
-                raise ValueError(
-                    f"the measurement {where} is unfinished (measured up to layer {m.last_module_idx}; embedding "
-                    "and head not measured): resume it by running the same measure command again, or pass "
-                    "--allow-incomplete to leave the unmeasured tensors 16-bit"
-                )
-            notes.append(f"the measurement {where} is unfinished (allowed by --allow-incomplete)")
-        notes += check_belongs_to("measurement", where, m.model, {k: t.shape for k, t in m.tensors.items()},
-                                  source, model_shapes(source.config), allow_other_model)
-        if m.source_format != "mlx_dq.measurement" and not any(t.role == "embed_head" for t in m.tensors.values()):
-            notes.append("the ExLlamaV2 measurement has no embedding or head records: they are not in the plan")
+        notes += check_measurement_input(m, measurement, source, allow_incomplete, allow_other_model)
     p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible)
     return p, m
 
@@ -512,6 +497,14 @@ def convert(
     ])
     if calib is not None:  # a bad calibration file fails now, not after the measurement
         calib_mod.load_texts(calib)
+    if keep:  # a keep pattern that matches nothing fails now, not after the measurement
+        from .optimize import _match
+        from .safety import model_shapes
+
+        names = list(model_shapes(source.config))
+        for pat in keep:
+            if not any(_match(k, [pat]) for k in names):
+                raise ValueError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
     notes: list[str] = []
     mkw = dict(measure_kwargs or {})
     mkw.setdefault("calib", calib)

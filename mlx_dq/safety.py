@@ -272,6 +272,34 @@ def check_belongs_to(
     return notes
 
 
+def check_plan_input(plan: Any, given: Any, source: Any, allow_other_model: bool) -> list[str]:
+    """Check a plan read for ``source`` belongs to it (see :func:`check_belongs_to`); returns notes."""
+    where = str(given) if isinstance(given, (str, os.PathLike)) else "given"
+    recorded = (plan.source or {}).get("model") if isinstance(plan.source, dict) else None
+    return check_belongs_to("plan", where, recorded, {e.key: e.shape for e in plan.tensors}, source,
+                            model_shapes(source.config), allow_other_model)
+
+
+def check_measurement_input(m: Any, given: Any, source: Any, allow_incomplete: bool,
+                            allow_other_model: bool) -> list[str]:
+    """Check a measurement read for ``source``: complete (unless allowed) and made for it; returns notes."""
+    from .measurement import measurement_complete
+
+    where = str(given) if isinstance(given, (str, os.PathLike)) else "given"
+    notes = []
+    if not measurement_complete(m):
+        if not allow_incomplete:
+            raise ValueError(
+                f"the measurement {where} is unfinished (measured up to layer {m.last_module_idx}; embedding "
+                "and head not measured): resume it by running the same measure command again, or pass "
+                "--allow-incomplete to leave the unmeasured tensors 16-bit"
+            )
+        notes.append(f"the measurement {where} is unfinished (allowed by --allow-incomplete)")
+    notes += check_belongs_to("measurement", where, m.model, {k: t.shape for k, t in m.tensors.items()},
+                              source, model_shapes(source.config), allow_other_model)
+    return notes
+
+
 # --------------------------------------------------------------------------- folder code
 def verify_model_file(folder: str | os.PathLike) -> str:
     """Check that the only code a folder asks mlx-lm to import is mlx-dq's own shim; returns what was found.

@@ -139,6 +139,7 @@ def test_unfinished_measurement_with_flag_reports_the_whole_model(work, tmp_path
     r = cli("optimize", work["m_partial"], "--bpw", "4", "-o", tmp_path / "p.json", "--allow-incomplete")
     assert r.exit_code == 0, r.output
     assert "not measured" in r.output
+    assert f"whole model: {whole:.4f} bpw" in r.output  # the same plan, so the same whole-model size
 
 
 # --------------------------------------------------------------------------- case 3
@@ -273,16 +274,18 @@ def test_partial_folders_of_killed_conversions_are_cleaned(work, tmp_path):
 
 
 # --------------------------------------------------------------------------- case 8
-@pytest.mark.parametrize("bpw", ["-1", "nan", "inf", "0", "17"])
-def test_impossible_bpw_is_refused_before_any_work(work, tmp_path, monkeypatch, bpw):
+@pytest.mark.parametrize("args,needle", [(["--bpw", b], "bpw") for b in ("-1", "nan", "inf", "0", "17")]
+                         + [(["--bpw", "4", "--keep", "model.layers.9.*"], "keep pattern"),
+                            (["--bpw", "4", "--head-option", "1.0:4b_100g"], "head-option")])
+def test_impossible_arguments_are_refused_before_any_work(work, tmp_path, monkeypatch, args, needle):
     import mlx_dq.measure
 
     def no_measuring(*a, **k):
         raise AssertionError("measured before checking the arguments")
 
     monkeypatch.setattr(mlx_dq.measure, "measure", no_measuring)
-    r = cli("convert", "--model", work["llama"], "--bpw", bpw, "-o", tmp_path / "o", *CALIB)
-    assert_clean_error(r, "bpw")
+    r = cli("convert", "--model", work["llama"], *args, "-o", tmp_path / "o", *CALIB)
+    assert_clean_error(r, needle)
     assert not (tmp_path / "o").exists()
 
 
@@ -401,3 +404,28 @@ def test_generate_loads_through_mlx_dq_and_never_runs_folder_code(mixed_folder, 
     assert "folder code ran" not in r.output
     assert "Generation:" in r.output or "tokens-per-sec" in r.output
     assert_clean_error(cli("generate", "--model", tmp_path, "--prompt", "x"), "config.json")
+
+
+def test_exl2_measurement_says_what_it_cannot_check_and_leaves_out(work, tmp_path):
+    from mlx_dq.measurement import exl2_storage_bits
+
+    doc = json.loads(work["m_llama"].read_text())
+    records = []
+    for t in doc["measurement"]:
+        if t["role"] == "embed_head":  # ExLlamaV2 files have no embedding or head records
+            continue
+        out_f, in_f = t["shape"]
+        opts = [{"desc": o["desc"], "err": o["err"], "qparams": o["qparams"],
+                 "total_bits": exl2_storage_bits(in_f, out_f, o["qparams"])} for o in t["options"]]
+        records.append({"key": t["key"], "numel": t["numel"], "options": opts})
+    exl2 = tmp_path / "exl2.json"
+    exl2.write_text(json.dumps({"measurement": records, "last_module_idx": 1, "base_perplexity": 10.0}))
+    out = tmp_path / "o"
+    r = cli("convert", "--model", work["llama"], "--measurement", exl2, "--bpw", "4", "-o", out, *CALIB)
+    assert r.exit_code == 0, r.output
+    assert "no model fingerprint" in r.output and "cannot check" in r.output
+    assert "not in the plan stay 16-bit" in r.output
+    assert "lm_head" in r.output and "model.embed_tokens" in r.output
+    manifest = json.loads((out / "mlx_dq.json").read_text())
+    assert f"{manifest['accounting']['average_bits_all']:.4f} bpw whole model" in r.output
+    assert manifest["modules"]["lm_head"]["option"] == "16bit"
