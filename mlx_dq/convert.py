@@ -290,10 +290,13 @@ def quantize_stream(
         )
 
     def run(mods: dict[str, nn.Module], stats: dict) -> Iterator[tuple]:
+        from .safety import check_finite_weight
+
         for path, mod in mods.items():
             st = stats.get(path)
             gram = st.gram if st is not None else None
             w = mod.weight
+            check_finite_weight(path, w)
             qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=method, clip=clip, damp=damp,
                                  promote=promote_mixed)
             yield path, mod, qt, gram, w
@@ -491,7 +494,7 @@ def convert(
         QuantOption.parse(head_option)
     source = resolve(str(model))
     guard_output_folder(out, force, [
-        ("source model", source.path if source.kind in ("folder", "gguf") else None),
+        ("source model", source.path),
         ("measurement", measurement if isinstance(measurement, (str, Path)) else None),
         ("plan", plan if isinstance(plan, (str, Path)) else None),
     ])

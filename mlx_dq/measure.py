@@ -241,13 +241,6 @@ def _relative(num: float, den: float) -> float:
     return 0.0 if num == 0 else math.sqrt(num)
 
 
-def check_finite_weight(key: str, w: mx.array) -> None:
-    """ValueError naming tensor ``key`` when its weights hold NaN or infinite values (a corrupt model)."""
-    bad = mx.logical_not(mx.isfinite(w.astype(mx.float32))).sum().item()
-    if bad:
-        raise ValueError(f"tensor {key!r} has {bad} NaN or infinite weight(s): the model file is corrupt")
-
-
 def measure_tensor(
     key: str,
     w: mx.array,
@@ -273,6 +266,7 @@ def measure_tensor(
     ``progress`` shows a bar over the options (the head: minutes on a CPU).
     """
     from .convert import quantize_tensor
+    from .safety import check_finite_weight
 
     check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)

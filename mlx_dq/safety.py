@@ -212,6 +212,15 @@ def finite_number(value: Any, what: str, *, minimum: float | None = None, positi
     return x
 
 
+def check_finite_weight(key: str, w: Any) -> None:
+    """ValueError naming tensor ``key`` when its weights (an mx.array) hold NaN or infinite values: a corrupt model."""
+    import mlx.core as mx
+
+    bad = int(mx.logical_not(mx.isfinite(w.astype(mx.float32))).sum().item())
+    if bad:
+        raise ValueError(f"tensor {key!r} has {bad} NaN or infinite weight(s): the model file is corrupt")
+
+
 def check_bpw(bpw: float) -> float:
     """A bits-per-weight target that could ever be met: finite and in (0, 16]."""
     if not isinstance(bpw, (int, float)) or isinstance(bpw, bool) or not math.isfinite(bpw) or not 0 < bpw <= 16:

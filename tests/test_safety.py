@@ -211,6 +211,10 @@ def test_measure_names_a_nan_weight(work, tmp_path):
     _edit_weight(src, "model.layers.1.self_attn.k_proj.weight", lambda w: mx.where(mx.arange(w.size).reshape(w.shape) == 7, math.nan, w))
     r = cli("measure", "--model", src, "--grid", work["grid"], "-o", tmp_path / "m.json", "--no-kl-scale", *CALIB)
     assert_clean_error(r, "model.layers.1.self_attn.k_proj", "nan")
+    plan = _plan_file(src, tmp_path / "plan.json")
+    r = cli("convert", "--model", src, "--plan", plan, "-o", tmp_path / "o", *CALIB)
+    assert_clean_error(r, "model.layers.1.self_attn.k_proj", "nan")
+    assert not (tmp_path / "o").exists() and not any(".partial-" in p.name for p in tmp_path.iterdir())
 
 
 # --------------------------------------------------------------------------- case 6
