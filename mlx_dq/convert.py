@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -476,7 +475,8 @@ def convert(
     """
     from . import __version__
     from . import calib as calib_mod
-    from .safety import check_bpw, guard_output_folder
+    from .optimize import _match
+    from .safety import check_bpw, guard_output_folder, model_shapes
     from .sources import resolve
 
     t_start = time.perf_counter()
@@ -500,14 +500,9 @@ def convert(
     ])
     if calib is not None:  # a bad calibration file fails now, not after the measurement
         calib_mod.load_texts(calib)
-    if keep:  # a keep pattern that matches nothing fails now, not after the measurement
-        from .optimize import _match
-        from .safety import model_shapes
-
-        names = list(model_shapes(source.config))
-        for pat in keep:
-            if not any(_match(k, [pat]) for k in names):
-                raise ValueError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
+    for pat in keep:  # a keep pattern that matches nothing fails now, not after the measurement
+        if not any(_match(k, [pat]) for k in model_shapes(source.config)):
+            raise ValueError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
     notes: list[str] = []
     mkw = dict(measure_kwargs or {})
     mkw.setdefault("calib", calib)
@@ -521,8 +516,6 @@ def convert(
         progress=progress, allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, notes=notes,
     )
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
-    from .safety import model_shapes
-
     unplanned = sorted(k for k in model_shapes(source.config) if k not in options)
     if unplanned and not isinstance(plan, dict):
         notes.append(f"{len(unplanned)} tensor(s) not in the plan stay 16-bit: {', '.join(unplanned[:4])}"
