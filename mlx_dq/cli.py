@@ -152,6 +152,8 @@ def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | Non
 
 def _unmeasured_note(m: Any, plan: Any) -> str:
     """What an unfinished measurement leaves out, and the whole model's bpw when every unmeasured tensor stays 16-bit."""
+    import math
+
     from mlx_dq.safety import model_shapes
     from mlx_dq.sources import resolve
 
@@ -166,16 +168,9 @@ def _unmeasured_note(m: Any, plan: Any) -> str:
     planned = {e.key for e in plan.tensors}
     rest = [k for k in shapes if k not in planned and k not in m.tied]
     numel = sum(e.numel for e in plan.tensors)
-    bits = sum(e.bits for e in plan.tensors) + sum(16 * _prod(shapes[k]) for k in rest)
-    numel += sum(_prod(shapes[k]) for k in rest)
+    bits = sum(e.bits for e in plan.tensors) + sum(16 * math.prod(shapes[k]) for k in rest)
+    numel += sum(math.prod(shapes[k]) for k in rest)
     return note + f"; whole model: {bits / numel:.4f} bpw ({len(rest)} tensors not measured)"
-
-
-def _prod(shape: Any) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
 
 
 def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: float | str,
