@@ -150,8 +150,9 @@ def _pid_alive(pid: int) -> bool:
 def clean_leftovers(parent: str | os.PathLike) -> list[Path]:
     """Remove ``.NAME.partial-PID`` / ``.NAME.old-PID`` folders in ``parent`` left by killed conversions.
 
-    Only folders carrying mlx-dq's partial marker (or an mlx-dq manifest) whose
-    process is gone are removed; returns what was removed.
+    Only folders whose process is gone are removed: partial ones carrying
+    mlx-dq's marker, and replaced earlier outputs (with their manifest) once the
+    new output is in place; returns what was removed.
     """
     parent = Path(parent)
     removed: list[Path] = []
@@ -163,9 +164,14 @@ def clean_leftovers(parent: str | os.PathLike) -> list[Path]:
         m = _LEFTOVER.match(p.name)
         if not m or not p.is_dir() or p.is_symlink() or _pid_alive(int(m.group(3))):
             continue
-        if (p / PARTIAL_MARKER).exists() or is_mlx_dq_output(p):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+        if m.group(2) == "partial" and (p / PARTIAL_MARKER).exists():
+            pass
+        elif m.group(2) == "old" and is_mlx_dq_output(p) and (parent / m.group(1)).exists():
+            pass  # an earlier output already replaced; kept while the new one is missing (killed between renames)
+        else:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
     return removed
 
 

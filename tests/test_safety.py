@@ -433,3 +433,14 @@ def test_exl2_measurement_says_what_it_cannot_check_and_leaves_out(work, tmp_pat
     manifest = json.loads((out / "mlx_dq.json").read_text())
     assert f"{manifest['accounting']['average_bits_all']:.4f} bpw whole model" in r.output
     assert manifest["modules"]["lm_head"]["option"] == "16bit"
+
+
+def test_a_replaced_output_is_kept_until_the_new_one_is_in_place(tmp_path):
+    from mlx_dq.safety import clean_leftovers
+
+    old = tmp_path / f".model.old-{_dead_pid()}"
+    old.mkdir()
+    (old / "mlx_dq.json").write_text(json.dumps({"schema": "mlx_dq.manifest"}))
+    assert clean_leftovers(tmp_path) == [] and old.exists()  # killed between the renames: the only copy
+    (tmp_path / "model").mkdir()
+    assert clean_leftovers(tmp_path) == [old] and not old.exists()
