@@ -8,3 +8,19 @@ def load(path, lazy: bool = False):
     from .loader import load as _load
 
     return _load(path, lazy=lazy)
+
+
+def upload(mlx_path, upload_repo: str, *, private: bool = False) -> str:
+    """Upload a complete mlx-dq output folder to the Hugging Face hub repo ``upload_repo``; return its URL."""
+    from .api import upload as _upload
+
+    return _upload(mlx_path, upload_repo, private=private)
+
+
+def __getattr__(name: str):
+    """``mlx_dq.convert``: the converter module, callable like ``mlx_lm.convert(hf_path, mlx_path, ...)``."""
+    if name == "convert":
+        import importlib
+
+        return importlib.import_module(".convert", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

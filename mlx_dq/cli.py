@@ -25,7 +25,31 @@ def _parameter_count(config: dict[str, Any]) -> int | None:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
-@click.group(name="mlx_dq", context_settings=CONTEXT)
+class _Main(click.Group):
+    """The command group; run as a program it first preloads OpenBLAS on Linux and records its arguments."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from mlx_dq.openblas import maybe_reexec
+
+        maybe_reexec()
+        return super().__call__(*args, **kwargs)
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        argv = list(args)
+        ctx = super().make_context(info_name, args, parent=parent, **extra)
+        ctx.meta["mlx_dq.argv"] = argv  # the exact command, for model cards
+        return ctx
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The ``mlx_dq ...`` command line that is running, shell-quoted."""
+    import shlex
+
+    return shlex.join(["mlx_dq", *ctx.find_root().meta.get("mlx_dq.argv", [])])
+
+
+@click.group(name="mlx_dq", cls=_Main, context_settings=CONTEXT)
 @click.version_option(package_name="mlx-dq", prog_name="mlx_dq")
 def main() -> None:
     """mlx-dq: measurement-driven mixed-precision quantization for MLX."""
@@ -179,7 +203,7 @@ def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: f
     try:
         from mlx_dq import plots
     except ImportError as e:
-        raise click.ClickException(f"plotting needs matplotlib ({e}): pip install 'mlx-dq[notebook]'") from None
+        raise click.ClickException(f"plotting needs matplotlib, a dependency of mlx-dq ({e}): pip install matplotlib") from None
     try:
         paths = plots.save_figures(m, out_dir, targets=targets, heatmap_at=heatmap_at, quality_csv=quality)
     except ValueError as e:
@@ -223,38 +247,62 @@ def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: 
               help="Where to write the plan (JSON).")
 @click.option("--mlx-lm-compatible", is_flag=True, help="Allow only whole-tensor options (stock mlx-lm loads them).")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
-@click.option("--keep-most-sensitive", type=click.IntRange(min=0), default=0,
-              help="Keep the N most sensitive tensors of each part in 16-bit.")
+@click.option("--keep-most-sensitive", multiple=True, metavar="N|PART=N",
+              help="Keep the N most sensitive tensors of each part in 16-bit: one N for every part, or PART=N per "
+                   "part (repeatable); ties within a jointly measured module go by each tensor's measured damage.")
+@click.option("--part", "parts", multiple=True, metavar="NAME=PATTERN[,PATTERN]",
+              help="Define a part for --keep-most-sensitive by name patterns (repeatable; tensors of no part are "
+                   "never kept by the rule) [default: backbone = decoder layers, else the first name component].")
+@click.option("--keep-outside-budget", is_flag=True,
+              help="Kept 16-bit tensors do not count against the bpw target (they still count in 'all tensors').")
 @click.option("--head-option", default="1.0:6b_64g", show_default=True,
               help="Option for embedding and head, outside the budget ('budget': plan them with the rest).")
+@click.option("--model", "model_spec", default=None,
+              help="Model (spec, folder or config.json) whose embedding/head a measurement lacks (ExLlamaV2 "
+                   "files): they get --head-option (16-bit with 'budget') and the printed bpw is the whole model's.")
+@click.option("--exl2-map", type=click.Choice(["storage", "layout", "uniform"]), default="storage", show_default=True,
+              help="How ExLlamaV2 options map to MLX: nearest storage cost, EXL2's own group sizes, or one "
+                   "whole-tensor width per option (stock-loadable plans with --mlx-lm-compatible).")
+@click.option("--exl2-report", type=click.Path(dir_okay=False), default=None,
+              help="Write a CSV of every planned tensor's EXL2 option and bpw beside its MLX option and bpw.")
 @click.option("--mlx-config", type=click.Path(dir_okay=False), default=None,
               help="Also write the plan as an MLX config (bits, group_size, mode, kept_16bit, tensors).")
 @click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a plan.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Plan from an unfinished measurement (unmeasured tensors stay 16-bit).")
 def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool, keep: tuple[str, ...],
-             keep_most_sensitive: int, head_option: str, mlx_config: str | None, force: bool,
-             allow_incomplete: bool) -> None:
+             keep_most_sensitive: tuple[str, ...], parts: tuple[str, ...], keep_outside_budget: bool,
+             head_option: str, model_spec: str | None, exl2_map: str, exl2_report: str | None,
+             mlx_config: str | None, force: bool, allow_incomplete: bool) -> None:
     """Choose one option per tensor of MEASUREMENT for a bits-per-weight target with the least predicted damage."""
+    from mlx_dq import keeprules
     from mlx_dq import measurement as meas
     from mlx_dq import optimize as opt
+    from mlx_dq.formats import exl2
 
+    head = None if head_option == "budget" else head_option
     try:
         _check_optimize_outputs(measurement, output, mlx_config, force)
-        m = meas.load_measurement(measurement)
-        notes = []
+        part_map = keeprules.parse_parts(parts)
+        counts = keeprules.parse_keep_counts(keep_most_sensitive)
+        keeprules.check_parts(counts, part_map)
+        _not_another_form(measurement)
+        m = meas.load_measurement(measurement, exl2_map=exl2_map)
         if not meas.measurement_complete(m) and not allow_incomplete:
             raise ValueError(
                 f"the measurement {measurement} is unfinished (measured up to layer {m.last_module_idx}): resume "
                 "it by running the same measure command again, or pass --allow-incomplete"
             )
-        plan = opt.optimize(m, bpw, head_option=None if head_option == "budget" else head_option, keep=keep,
-                            keep_most_sensitive=keep_most_sensitive or None, mlx_lm_compatible=mlx_lm_compatible)
-        if not meas.measurement_complete(m):
-            notes.append(_unmeasured_note(m, plan))
-        mlx_doc = opt.plan_to_mlx_config(plan) if mlx_config else None
+        plan = opt.optimize(m, bpw, head_option=head, keep=keep, keep_most_sensitive=counts, parts=part_map,
+                            mlx_lm_compatible=mlx_lm_compatible, keep_outside_budget=keep_outside_budget)
+        measured_heads = any(exl2.is_head(k) for k in m.tensors)
+        if model_spec and not measured_heads:
+            from mlx_dq.formats.common import modules_for
+
+            exl2.complete_head(plan, modules_for(model_spec)[0], head)
+        notes = [] if meas.measurement_complete(m) else [_unmeasured_note(m, plan)]
         if mlx_config:
-            meas.write_json_atomic(mlx_doc, mlx_config)
+            meas.write_json_atomic(opt.plan_to_mlx_config(plan), mlx_config)
         try:
             opt.save_plan(plan, output)
         except OSError:
@@ -269,6 +317,15 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
         click.echo(f"note: {note}")
     click.echo(f"target {plan.target_bpw:g} bpw: achieved {plan.achieved_bpw:.4f} bpw "
                f"({plan.used_bits:,} of {plan.budget_bits:,} bits), all tensors {plan.total_bpw:.4f} bpw")
+    note = exl2.head_note(plan, measured_heads)
+    if note:
+        click.echo(note)
+    if m.source_format.startswith("exl2"):
+        rows = exl2.mapping_report(m, plan)
+        click.echo(exl2.mapping_summary(rows) + f" (--exl2-map {exl2_map})")
+        if exl2_report:
+            _write_csv(rows, exl2_report)
+            click.echo(f"per-tensor EXL2 vs MLX bpw written to {exl2_report}")
     click.echo(f"objective {plan.objective:.6g}  lower bound {plan.lower_bound:.6g}  gap {plan.gap:.3g} "
                f"({100 * plan.gap / max(plan.objective, 1e-300):.3f}%)  kept 16-bit: {len(plan.kept)}")
     click.echo(f"plan written to {output} ({plan.wall_s:.2f} s)")
@@ -282,13 +339,15 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--measurement", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Reuse a measurement (mlx-dq's or ExLlamaV2's) instead of measuring.")
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Apply this plan as is (skips measuring and optimizing).")
+              help="Apply this plan as is (skips measuring and optimizing): an mlx_dq plan, a dynquant manifest "
+                   "or an MLX config with kept_16bit (names mapped onto the model; unmapped ones listed).")
 @click.option("--mlx-lm-compatible", is_flag=True, help="Whole-tensor options only: loads in stock mlx-lm.")
 @click.option("--promote-mixed", is_flag=True,
               help="Store mixed tensors (natural channel order) losslessly as uniform ones: stock-loadable, larger.")
 @click.option("--head-option", default="budget", show_default=True,
               help="Option for embedding/head outside the budget, or 'budget' to plan them with the rest.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
+@click.option("--keep-outside-budget", is_flag=True, help="Kept 16-bit tensors do not count against --bpw.")
 @click.option("--calib", type=click.Path(exists=True), default=None, help="Calibration .txt/.jsonl file or folder.")
 @click.option("--rows", default=32, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
 @click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
@@ -299,13 +358,19 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
 @click.option("--force", is_flag=True,
               help="Replace an existing output folder (only an earlier mlx-dq output; never one holding an input).")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "auto"]), default="float16", show_default=True,
+              help="Dtype of scales, biases and 16-bit tensors (auto: the source's; bfloat16 needs --method rtn).")
+@click.option("--upload-repo", default=None, metavar="USER/NAME",
+              help="Upload the finished folder to this Hugging Face repo (network and token checked first).")
 @click.option("--allow-incomplete", is_flag=True,
               help="Use an unfinished --measurement (unmeasured tensors stay 16-bit).")
 @click.option("--allow-other-model", is_flag=True,
               help="Use a --measurement or --plan made for another model with the same tensor names and shapes.")
-def convert(model_spec: str, bpw: float | None, output: str, measurement: str | None, plan_path: str | None,
-            mlx_lm_compatible: bool, promote_mixed: bool, head_option: str, keep: tuple[str, ...], calib: str | None, rows: int,
-            seq_len: int, seed: int, method: str, no_sequential: bool, no_clip: bool, force: bool,
+@click.pass_context
+def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str, measurement: str | None,
+            plan_path: str | None, mlx_lm_compatible: bool, promote_mixed: bool, head_option: str,
+            keep: tuple[str, ...], keep_outside_budget: bool, calib: str | None, rows: int, seq_len: int, seed: int,
+            method: str, no_sequential: bool, no_clip: bool, force: bool, dtype: str, upload_repo: str | None,
             allow_incomplete: bool, allow_other_model: bool) -> None:
     """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads.
 
@@ -314,6 +379,7 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
     and the next convert into the same parent folder removes it.
     """
     from mlx_dq.convert import convert as run_convert
+    from mlx_dq.hub import check_upload_ready
     from mlx_dq.options import QuantOption
     from mlx_dq.safety import check_bpw
 
@@ -322,7 +388,8 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
     if plan_path is not None:
         given = [flag for flag, on in (("--bpw", bpw is not None), ("--measurement", measurement is not None),
                                        ("--keep", bool(keep)), ("--mlx-lm-compatible", mlx_lm_compatible),
-                                       ("--head-option", head_option != "budget")) if on]
+                                       ("--head-option", head_option != "budget"),
+                                       ("--keep-outside-budget", keep_outside_budget)) if on]
         if given:
             raise click.UsageError(f"--plan is applied as is: {', '.join(given)} would be ignored; "
                                    "give either --plan or a target (--bpw) with its planning options")
@@ -337,13 +404,17 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--head-option") from None
     try:
+        if upload_repo is not None:
+            check_upload_ready(upload_repo)  # before any work: a long conversion must not end in "offline"
         manifest = run_convert(
             model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
             mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed,
             head_option=None if head_option == "budget" else head_option,
-            keep=keep, calib=calib, rows=rows, seq_len=seq_len, seed=seed, method=method,
-            sequential=not no_sequential, clip=not no_clip, force=force,
+            keep=keep, keep_outside_budget=keep_outside_budget, calib=calib, rows=rows, seq_len=seq_len, seed=seed,
+            method=method,
+            sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
             measure_kwargs={"rows": rows, "seq_len": seq_len},
+            command=_command_line(ctx), card_ref=upload_repo,
             allow_incomplete=allow_incomplete, allow_other_model=allow_other_model,
         )
     except (ValueError, FileExistsError, OSError) as e:
@@ -355,16 +426,28 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
     click.echo(f"wrote {output}: {acc['average_bits_all']:.4f} bpw whole model (all quantizable tensors), "
                f"{planned} bpw planned budget tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
                f"{manifest['provenance']['quantization_seconds']:.0f} s")
+    _convert_notes(output)
     click.echo(f"load with: {manifest['loading']}")
+    if upload_repo is not None:
+        _upload(output, upload_repo, private=False, after_convert=True)
 
 
 @main.command(context_settings=CONTEXT)
-@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("folder", type=click.Path(exists=True))
 @click.option("--width", default=5, show_default=True, type=click.IntRange(min=3), help="Characters per cell.")
 def inspect(folder: str, width: int) -> None:
-    """Print the per-layer bit map and the accounting of a converted model FOLDER, after checking it is whole."""
+    """Print the per-layer bit map and the accounting of a converted model FOLDER, after checking it is whole,
+    or summarize a file: plan, manifest, measurement, dynquant manifest, MLX config with kept_16bit or dashq record."""
     from mlx_dq.report import bit_map, check_folder, read_manifest
 
+    if not Path(folder).is_dir():
+        from mlx_dq.formats import describe
+
+        try:
+            click.echo(describe(folder))
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        return
     try:
         manifest = read_manifest(folder)
         problems = check_folder(folder, manifest)
@@ -428,6 +511,144 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
     if write and folder is not None and evaluate.read_manifest(folder) is not None:
         block = evaluate.results_block(result, base_model, evaluate.read_manifest(folder))
         click.echo(f"results written to {evaluate.write_results(folder, block)}")
+        from mlx_dq.card import update_card
+
+        click.echo(f"model card updated: {update_card(folder, evaluate.read_manifest(folder))}")
+
+
+def _write_csv(rows: list[dict], path: str) -> None:
+    """Rows of dicts as a CSV file (header from the first row)."""
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["tensor"])
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _convert_notes(output: str) -> None:
+    """After convert: what an imported plan could not map, and where an unmeasured embedding/head stands."""
+    from mlx_dq.formats.common import import_summary
+    from mlx_dq.formats.exl2 import head_note
+    from mlx_dq.optimize import load_plan
+
+    try:
+        plan = load_plan(Path(output) / "plan.json")
+    except ValueError:
+        return
+    if plan.method.startswith("imported:"):
+        for line in import_summary(plan):
+            click.echo(line)
+    note = head_note(plan, True)
+    if note:
+        click.echo(note)
+
+
+@main.command(name="import-plan", context_settings=CONTEXT)
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", "model_spec", required=True, help="Model (spec, folder or config.json) to map the names onto.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True,
+              help="Where to write the plan.")
+def import_plan(file: str, model_spec: str, output: str) -> None:
+    """Turn FILE (a dynquant manifest or an MLX config with kept_16bit) into an mlx_dq plan for a model."""
+    from mlx_dq.formats import detect
+    from mlx_dq.formats import dynquant, mlx_kept16
+    from mlx_dq.formats.common import import_summary, modules_for, read_json
+    from mlx_dq.optimize import save_plan
+
+    try:
+        data = read_json(file)
+        kind = detect(data)
+        mod = {"dynquant": dynquant, "mlx_kept16": mlx_kept16}.get(kind)
+        if mod is None:
+            raise ValueError(f"{file}: a {kind} document, not a dynquant manifest or an MLX config with kept_16bit")
+        modules, model_type = modules_for(model_spec)
+        plan = mod.to_plan(data, modules, model_type, path=file)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    save_plan(plan, output)
+    for line in import_summary(plan):
+        click.echo(line)
+    click.echo(f"{plan.achieved_bpw:.4f} bpw over {len(plan.tensors)} tensors; plan written to {output}")
+
+
+@main.command(name="export", context_settings=CONTEXT)
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--to", "form", type=click.Choice(["dynquant", "mlx-kept16", "dashq", "record"]), required=True,
+              help="dynquant manifest, MLX config with kept_16bit, dashq record, or our record form.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="JSON file to write.")
+def export(source: str, form: str, output: str) -> None:
+    """Write SOURCE (an output folder, its mlx_dq.json, or a plan) in another tool's form."""
+    from mlx_dq.formats import dashq, dynquant, mlx_kept16
+    from mlx_dq.formats.common import read_json
+    from mlx_dq.measurement import write_json_atomic
+
+    path = Path(source) / "mlx_dq.json" if Path(source).is_dir() else Path(source)
+    try:
+        doc = read_json(path)
+        ours = isinstance(doc, dict) and (doc.get("schema") == "mlx_dq.manifest" or doc.get("format") == "mlx_dq.plan")
+        if not ours:
+            raise ValueError(f"{path}: not an mlx_dq manifest or plan")
+        if form == "dynquant":
+            out = dynquant.from_ours(doc)
+        elif form == "mlx-kept16":
+            out = mlx_kept16.from_ours(doc)
+        else:
+            if doc.get("schema") != "mlx_dq.manifest":
+                raise ValueError(f"{path}: the {form} form needs a manifest (an output folder), not a plan")
+            out = dashq.record_from_manifest(doc)
+            out = dashq.to_dashq(out) if form == "dashq" else out
+    except (ValueError, KeyError) as e:
+        raise click.ClickException(str(e)) from None
+    write_json_atomic(out, output)
+    click.echo(f"wrote {output} ({form})")
+
+
+def _not_another_form(path: str) -> None:
+    """A one-line error that says what a file is when a measurement was expected but another form came."""
+    from mlx_dq.formats import detect
+    from mlx_dq.formats.common import read_json
+
+    kind = detect(read_json(path))
+    if kind in ("dynquant", "mlx_kept16", "mlx_dq.plan"):
+        raise ValueError(f"{path} is a {kind} file, not a measurement: apply it with "
+                         f"'mlx_dq convert --plan {path}' (or 'mlx_dq import-plan'), view it with 'mlx_dq inspect'")
+    if kind in ("dashq", "mlx_dq.manifest"):
+        raise ValueError(f"{path} is a {kind} file, not a measurement: view it with 'mlx_dq inspect'")
+
+
+def _upload(folder: str, repo_id: str, private: bool, after_convert: bool = False) -> None:
+    """Upload ``folder`` to ``repo_id``, or fail with one line that says the local folder is intact."""
+    from mlx_dq.api import upload as api_upload
+    from mlx_dq.hub import HubError
+
+    try:
+        url = api_upload(folder, repo_id, private=private)
+    except HubError as e:
+        later = f"; upload it later with `mlx_dq upload {folder} {repo_id}`" if after_convert else ""
+        raise click.ClickException(f"{e} (the local folder {folder} is complete{later})") from None
+    click.echo(f"uploaded {folder} to {url}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("repo_id", metavar="USER/NAME")
+@click.option("--private", is_flag=True, help="Create the repo as private.")
+@click.option("--list", "list_only", is_flag=True, help="Only list the files an upload would send.")
+def upload(folder: str, repo_id: str, private: bool, list_only: bool) -> None:
+    """Upload a converted model FOLDER (weights, config, tokenizer, card, manifest) to the hub repo USER/NAME."""
+    from mlx_dq.hub import HubError, check_repo_id, upload_files
+
+    try:
+        check_repo_id(repo_id)
+        files = upload_files(folder)
+    except HubError as e:
+        raise click.ClickException(str(e)) from None
+    if list_only:
+        for f in files:
+            click.echo(f)
+        return
+    _upload(folder, repo_id, private)
 
 
 @main.command(context_settings=CONTEXT)

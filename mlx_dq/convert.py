@@ -40,7 +40,7 @@ from .quant import QuantizedTensor, output_error, promote_to_uniform, quantize_w
 
 MANIFEST_NAME = "mlx_dq.json"
 MANIFEST_SCHEMA = "mlx_dq.manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: module "bits" -> "storage_bits", "dense_bytes" -> "kept16_bytes", facts added
 MODEL_FILE = "mlx_dq_model.py"
 DEFAULT_SHARD_BYTES = 4 << 30
 DEFAULT_ROWS = 32
@@ -75,6 +75,7 @@ def quantize_tensor(
     damp: float = DEFAULT_DAMP,
     promote: bool = False,
     factor_cache: dict | None = None,
+    scale_dtype: mx.Dtype = mx.float16,
 ) -> QuantizedTensor:
     """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip.
 
@@ -85,15 +86,17 @@ def quantize_tensor(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if option.keep16:
-        return quantize_weight(w, option)
+        return quantize_weight(w, option, scale_dtype=scale_dtype)
     natural = promote and option.is_mixed
     if method == "gptq" and gram is not None:
         from .gptq import gptq_quantize
 
+        if scale_dtype != mx.float16:
+            raise ValueError("GPTQ rounds its codes against float16 scales: bfloat16 output needs method rtn")
         qt = gptq_quantize(w, option, gram, damp=damp, clip=clip, natural_order=natural,
                            factor_cache=factor_cache)
     else:
-        qt = quantize_weight(w, option, gram=gram, clip=clip, natural_order=natural)
+        qt = quantize_weight(w, option, gram=gram, clip=clip, scale_dtype=scale_dtype, natural_order=natural)
     return promote_to_uniform(qt) if natural else qt
 
 
@@ -197,6 +200,7 @@ def resolve_plan(
     keep: Iterable[str],
     measure_kwargs: dict,
     progress: bool,
+    keep_outside_budget: bool = False,
     allow_incomplete: bool = False,
     allow_other_model: bool = False,
     notes: list[str] | None = None,
@@ -214,7 +218,12 @@ def resolve_plan(
     if isinstance(plan, dict):
         return plan_from_options(plan, source), None
     if plan is not None:
-        p = load_plan(plan) if isinstance(plan, (str, Path)) else plan
+        if isinstance(plan, (str, Path)):  # ours, or a foreign file mapped onto this model (mlx_dq.formats)
+            from .formats import load_plan_any
+
+            p = load_plan_any(plan, source)
+        else:
+            p = plan
         notes += check_plan_input(p, plan, source, allow_other_model)
         return p, None
     if bpw is None:
@@ -226,7 +235,12 @@ def resolve_plan(
     else:
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
         notes += check_measurement_input(m, measurement, source, allow_incomplete, allow_other_model)
-    p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible)
+    p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible,
+                 keep_outside_budget=keep_outside_budget)
+    from .formats.common import model_modules
+    from .formats.exl2 import complete_head
+
+    complete_head(p, model_modules(source), head_option)  # an EXL2 measurement has no embedding/head
     return p, m
 
 
@@ -266,6 +280,7 @@ def quantize_stream(
     batch_size: int = 4,
     progress: bool = True,
     _fail_after_layer: int | None = None,
+    scale_dtype: mx.Dtype = mx.float16,
 ) -> Iterator[tuple | dict]:
     """Quantize ``source`` one decoder layer at a time over calibration ``tokens``.
 
@@ -298,7 +313,7 @@ def quantize_stream(
             w = mod.weight
             check_finite_weight(path, w)
             qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=method, clip=clip, damp=damp,
-                                 promote=promote_mixed)
+                                 promote=promote_mixed, scale_dtype=scale_dtype)
             yield path, mod, qt, gram, w
 
     _load_into(net, dict(source.other_weights()))
@@ -359,8 +374,11 @@ def quantize_stream(
     bar.close()
 
 
-def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array]) -> dict:
-    """The manifest record of one quantized tensor."""
+def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array],
+            dtype: str = "float16") -> dict:
+    """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation)."""
+    from .formats.facts import packing_facts
+
     opt = qt.option
     g2 = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
     err = output_error(w, qt.dequantize(mx.float32), g2) if g2 is not None and not opt.keep16 else None
@@ -368,8 +386,9 @@ def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dic
         "option": opt.desc,
         "shape": list(qt.shape),
         "numel": int(math.prod(qt.shape)),
-        "bits": int(opt.storage_bits(qt.shape)),
+        "storage_bits": int(opt.storage_bits(qt.shape)),
         "bpw": opt.bpw(qt.shape),
+        "packing": packing_facts(opt, qt.shape, dtype),
         "bytes": int(sum(a.nbytes for a in arrays.values())),
         "err": err,
         "clip": {k: qt.stats[k] for k in ("clipped_fraction", "clip_improvement") if k in qt.stats},
@@ -448,6 +467,7 @@ def convert(
     promote_mixed: bool = False,
     head_option: str | None = None,
     keep: Iterable[str] = (),
+    keep_outside_budget: bool = False,
     calib: str | Path | None = None,
     rows: int = DEFAULT_ROWS,
     seq_len: int = DEFAULT_SEQ_LEN,
@@ -461,6 +481,8 @@ def convert(
     force: bool = False,
     progress: bool = True,
     measure_kwargs: dict | None = None,
+    command: str | None = None,
+    card_ref: str | None = None,
     allow_incomplete: bool = False,
     allow_other_model: bool = False,
     _fail_after_layer: int | None = None,
@@ -469,7 +491,11 @@ def convert(
 
     Returns the manifest written to ``out_dir/mlx_dq.json``. ``head_option``
     None puts embedding/head into the bpw budget (so ``bpw`` is the whole
-    model's average); a description fixes them outside it. ``allow_incomplete``
+    model's average); a description fixes them outside it.
+    ``dtype`` is the dtype of scales, biases and 16-bit tensors: float16, bfloat16 (with
+    ``method="rtn"``) or auto (bfloat16 when the source's config says so). ``command`` (the
+    command line that made it) and ``card_ref`` (the name to load it by, e.g. a
+    hub repo id) go into the folder's model card ``README.md``. ``allow_incomplete``
     accepts an unfinished measurement and ``allow_other_model`` a measurement or
     plan made for another model of the same tensor names and shapes; what the
     checks noticed is listed under ``provenance.checks`` of the manifest.
@@ -483,9 +509,8 @@ def convert(
     t_start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    out_dtype = {"float16": mx.float16}.get(dtype)
-    if out_dtype is None:  # scales and biases are float16 (the codes are rounded against them)
-        raise ValueError(f"dtype must be float16 (bfloat16 outputs are not supported yet), got {dtype!r}")
+    if dtype not in ("float16", "bfloat16", "auto"):
+        raise ValueError(f"dtype must be float16, bfloat16 or auto (the source's), got {dtype!r}")
     out = Path(out_dir)
     if plan is not None and (bpw is not None or measurement is not None):
         raise ValueError("a plan is applied as is: do not give a bpw target or a measurement with it")
@@ -494,6 +519,13 @@ def convert(
     if head_option is not None:
         QuantOption.parse(head_option)
     source = resolve(str(model))
+    if dtype == "auto":  # a bfloat16 source stays bfloat16 (scales, biases and 16-bit tensors)
+        declared = source.config.get("torch_dtype") or source.config.get("dtype") or ""
+        dtype = "bfloat16" if str(declared).endswith("bfloat16") else "float16"
+    out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
+    if out_dtype == mx.bfloat16 and method == "gptq":
+        raise ValueError("bfloat16 output needs method rtn (--method rtn): GPTQ rounds its codes against "
+                         "float16 scales")
     guard_output_folder(out, force, [
         ("source model", source.path),
         ("measurement", measurement if isinstance(measurement, (str, Path)) else None),
@@ -514,7 +546,8 @@ def convert(
     the_plan, meas = resolve_plan(
         source, bpw=bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
         mlx_lm_compatible=mlx_lm_compatible, head_option=head_option, keep=keep, measure_kwargs=mkw,
-        progress=progress, allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, notes=notes,
+        progress=progress, keep_outside_budget=keep_outside_budget, allow_incomplete=allow_incomplete,
+        allow_other_model=allow_other_model, notes=notes,
     )
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
     unplanned = sorted(k for k in model_shapes(source.config) if k not in options)
@@ -531,7 +564,7 @@ def convert(
         qconf: dict[str, dict] = {}
         stream = quantize_stream(source, options, tokens, method=method, sequential=sequential, clip=clip,
                                  damp=damp, promote_mixed=promote_mixed, progress=progress,
-                                 _fail_after_layer=_fail_after_layer)
+                                 _fail_after_layer=_fail_after_layer, scale_dtype=out_dtype)
         other_bytes = 0
         for item in stream:
             if isinstance(item, dict):  # parameters that stay as they are (norms, biases)
@@ -548,14 +581,16 @@ def convert(
             elif not opt.keep16:
                 seg = opt.segments[0]
                 qconf[path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
-            records[path] = _record(qt, gram, w, arrays)
+            records[path] = _record(qt, gram, w, arrays, dtype)
 
         files = writer.close()
-        config = _output_config(source.config, qconf, mixed)
+        config = _output_config(source.config, qconf, mixed, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if mixed:
             (tmp / MODEL_FILE).write_text(MODEL_FILE_TEXT)
-        source.save_tokenizer(tmp)
+        from .hub import carry_source_files
+
+        carry_source_files(source, tmp)  # tokenizer, chat template, generation config: unchanged
         if meas is not None:
             from .measurement import save_measurement
 
@@ -570,9 +605,16 @@ def convert(
                       "mlx_lm_compatible": mlx_lm_compatible, "head_option": head_option},
             seconds=time.perf_counter() - t_start,
         )
+        from .formats.facts import add_facts
+
+        add_facts(manifest, tmp, files, the_plan, measurement if isinstance(measurement, (str, Path)) else None, meas)
+        manifest["provenance"]["command"] = command
         manifest["provenance"]["checks"] = notes
-        manifest["files"] = [{"name": f.name, "bytes": f.stat().st_size} for f in sorted(files)]
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        from .card import source_metadata, write_card
+
+        write_card(tmp, manifest, name=Path(card_ref or out.resolve()).name, ref=card_ref or str(out_dir),
+                   metadata=source_metadata(source), command=command)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -582,10 +624,10 @@ def convert(
     return manifest
 
 
-def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict]) -> dict:
+def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: str = "float16") -> dict:
     """config.json for the output: source config + mlx-lm ``quantization`` (+ ``model_file`` and mixed layers)."""
     config = {k: v for k, v in src.items() if k not in ("quantization", "quantization_config", "model_file")}
-    config["torch_dtype"] = "float16"
+    config["torch_dtype"] = dtype
     if qconf:
         weight = {}
         for e in qconf.values():
@@ -607,13 +649,13 @@ def _manifest(
     import mlx_lm
 
     quant = {k: r for k, r in records.items() if r["option"] != "16bit"}
-    q_bits = sum(r["bits"] for r in records.values())
+    q_bits = sum(r["storage_bits"] for r in records.values())
     numel = sum(r["numel"] for r in records.values())
     budget_keys = {e.key for e in plan.tensors if e.scope == "budget"}
-    b_bits = sum(r["bits"] for k, r in records.items() if k in budget_keys)
+    b_bits = sum(r["storage_bits"] for k, r in records.items() if k in budget_keys)
     b_numel = sum(r["numel"] for k, r in records.items() if k in budget_keys)
     disk = sum(f.stat().st_size for f in files)
-    packed = sum(r["bits"] for r in quant.values()) // 8
+    packed = sum(r["storage_bits"] for r in quant.values()) // 8
     tied = {}
     if config.get("tie_word_embeddings") or any(k.endswith("embed_tokens") for k in records) and not any(
         k.endswith("lm_head") for k in records
@@ -629,7 +671,7 @@ def _manifest(
         "mlx": mx.__version__,
         "accounting": {
             "packed_bytes": int(packed),
-            "dense_bytes": int(sum(r["bytes"] for k, r in records.items() if k not in quant)),
+            "kept16_bytes": int(sum(r["bytes"] for k, r in records.items() if k not in quant)),
             "predicted_tensor_bytes": int(q_bits // 8),
             "other_bytes": int(other_bytes),
             "predicted_bytes": int(q_bits // 8 + other_bytes),
@@ -660,3 +702,34 @@ def _manifest(
         },
         "modules": dict(sorted(records.items())),
     }
+
+
+# --------------------------------------------------------------------------
+# ``mlx_dq.convert(hf_path, mlx_path, ...)``: this module is also the API function
+# --------------------------------------------------------------------------
+class _CallableModule(type(os)):
+    """``mlx_dq.convert`` is this module; calling it runs :func:`mlx_dq.api.convert` (mlx-lm's argument names).
+
+    The package attribute and the submodule stay one object, so ``from
+    mlx_dq.convert import convert`` and ``mlx_dq.convert(...)`` both keep working
+    whatever is imported first.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        from .api import convert as api_convert
+
+        return api_convert(*args, **kwargs)
+
+
+def _install_callable() -> None:
+    import inspect
+    import sys
+
+    from .api import convert as api_convert
+
+    mod = sys.modules[__name__]
+    mod.__class__ = _CallableModule
+    mod.__signature__ = inspect.signature(api_convert)
+
+
+_install_callable()

@@ -56,11 +56,28 @@ def mixed_model_classes(config: dict) -> tuple[type, type]:
     return Model, args_cls
 
 
+def _looks_like_repo_id(spec: str) -> bool:
+    """True for ``USER/NAME`` (a hub repo id), not for paths such as ``./x`` or ``/a/b``."""
+    import re
+
+    return bool(re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", spec)) and ".." not in spec
+
+
 def load(path: str | Path, lazy: bool = False) -> tuple[nn.Module, Any]:
-    """Load an mlx-dq output folder (mixed or not) as ``(model, tokenizer)`` without trust_remote_code."""
+    """Load an mlx-dq output folder or hub repo id (mixed or not) as ``(model, tokenizer)`` without trust_remote_code."""
     from mlx_lm.utils import load_model, load_tokenizer
 
     path = Path(path)
+    if not path.exists() and _looks_like_repo_id(str(path)):  # a hub repo id, as mlx_lm.load accepts
+        from huggingface_hub import snapshot_download
+        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+        try:
+            path = Path(snapshot_download(str(path), allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        except Exception as e:  # offline, unknown repo: one clear error
+            detail = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(f"{path} is not a local folder and cannot be fetched from the hub "
+                             f"({type(e).__name__}: {detail})") from None
     if not (path / "config.json").exists():
         raise ValueError(f"{path} is not a model folder (no config.json)")
     model, config = load_model(path, lazy=lazy, model_config={"model_file": None},

@@ -24,7 +24,11 @@ the nearest MLX width, ties upward: 1 -> 2, 7 -> 8) and proportion, and takes
 the MLX group size whose storage is nearest the EXL2 segment's storage, so the
 MLX option costs about what the EXL2 option cost and its measured error is a
 fair stand-in ("equal storage, similar error"). With ``exl2_map="layout"`` the
-EXL2 group size is kept (same code layout, larger files). ``total_bits`` and
+EXL2 group size is kept (same code layout, larger files). With ``exl2_map="uniform"``
+a mixed EXL2 option becomes one whole-tensor MLX option at the width nearest its
+proportion-weighted mean width (ties upward; group size as in "storage"), so a plan
+from any EXL2 file can be stock-loadable (``--mlx-lm-compatible``); its measured
+error is then only a stand-in. ``total_bits`` and
 ``bpw`` of an imported option are always MLX storage bits of the mapped option
 (what the plan will really cost); the EXL2 figures stay in ``exl2_total_bits``,
 ``exl2_desc`` and ``exl2_qparams``. When several EXL2 options of one tensor map
@@ -257,11 +261,12 @@ def map_exl2_qparams(qparams: Mapping, in_features: int | None = None, mode: str
     """The MLX option nearest an ExLlamaV2 ``qparams`` record (see the module notes).
 
     ``mode="storage"`` picks per segment the MLX group size whose storage is nearest
-    EXL2's; ``"layout"`` keeps EXL2's group size. Group sizes that do not divide
-    ``in_features`` are skipped.
+    EXL2's; ``"layout"`` keeps EXL2's group size; ``"uniform"`` maps a mixed option to one
+    whole-tensor width (the proportion-weighted mean, nearest MLX width). Group sizes that
+    do not divide ``in_features`` are skipped.
     """
-    if mode not in ("storage", "layout"):
-        raise ValueError(f"EXL2 mapping mode must be 'storage' or 'layout', got {mode!r}")
+    if mode not in ("storage", "layout", "uniform"):
+        raise ValueError(f"EXL2 mapping mode must be 'storage', 'layout' or 'uniform', got {mode!r}")
     try:
         bits = [int(b) for b in qparams["bits"]]
         props = [float(p) for p in qparams["bits_prop"]]
@@ -271,6 +276,12 @@ def map_exl2_qparams(qparams: Mapping, in_features: int | None = None, mode: str
         raise ValueError(f"malformed ExLlamaV2 qparams {qparams!r}: {e}") from None
     if bits == [16]:
         return QuantOption.fp16()
+    if mode == "uniform" and len(bits) > 1:
+        mean = sum(b * p for b, p in zip(bits, props)) / sum(props)
+        wide = max(bits, key=lambda b: (props[bits.index(b)], b))  # the group size of the largest share
+        return map_exl2_qparams({"bits": [int(math.floor(mean + 0.5))], "bits_prop": [1.0],
+                                 "group_size": {str(int(math.floor(mean + 0.5))): gmap.get(str(wide), 64)},
+                                 "scale_bits": sbits}, in_features, "storage")
     segs: dict[int, list[float]] = {}
     for b, p in zip(bits, props):
         g_exl2 = gmap.get(str(b), 64)

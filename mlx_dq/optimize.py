@@ -242,6 +242,7 @@ def _build(
     parts: Mapping[str, Sequence[str]] | None,
     mlx_lm_compatible: bool,
     err_power: float,
+    keep_outside_budget: bool = False,
 ) -> _Problem:
     """Turn a measurement and the user's rules into knapsack items plus fixed entries."""
     if not isinstance(target_bpw, (int, float)) or not math.isfinite(target_bpw) or target_bpw <= 0:
@@ -310,23 +311,30 @@ def _build(
             for k in it.members:
                 p = _part_of(k, parts)
                 if p is not None:
-                    per_part.setdefault(p, []).append((ref_sens[it.key], k))
+                    per_part.setdefault(p, []).append((ref_sens[it.key], _member_sensitivity(it, k, m, target_bpw), k))
         rule = keep_most_sensitive
         for p, lst in per_part.items():
             n = rule if isinstance(rule, int) else int(rule.get(p, 0))
-            lst.sort(key=lambda sk: (-sk[0], sk[1]))
-            keep_keys.update(k for _, k in lst[: max(n, 0)])
+            lst.sort(key=lambda sk: (-sk[0], -sk[1], sk[2]))  # ties (members of one joint item): own damage
+            keep_keys.update(k for _, _, k in lst[: max(n, 0)])
     for it in items:
         for k in it.members:
             if k in keep_keys:
-                _keep_member(it, m.tensors[k])
+                _keep_member(it, m.tensors[k], outside=keep_outside_budget)
                 kept.add(k)
+    if keep_outside_budget:  # kept tensors leave the budget: whole ones become fixed entries
+        for it in [it for it in items if len(it.members) == 1 and it.choices == [None]]:
+            t = m.tensors[it.key]
+            fixed.append(PlanEntry(t.key, "16bit", 16 * t.numel, list(t.shape), t.numel, 0.0, "kept"))
+            items.remove(it)
+        numel_budget = sum(it.numel for it in items)
     budget = int(math.floor(target_bpw * numel_budget + 1e-6))  # tolerate float rounding of target x weights
     settings = {
         "head_option": None if head_opt is None else head_opt.desc, "keep": list(keep),
         "keep_most_sensitive": keep_most_sensitive,
         "parts": None if parts is None else {k: list(v) for k, v in parts.items()},
         "mlx_lm_compatible": mlx_lm_compatible, "err_power": err_power,
+        "keep_outside_budget": keep_outside_budget,
     }
     return _Problem(items, fixed, sorted(kept), numel_budget, budget, float(target_bpw), settings)
 
@@ -337,9 +345,34 @@ def _sensitivity(it: _Item, target: float) -> float:
     return float(it.damage[int(np.argmin(np.abs(bpw - target)))])
 
 
-def _keep_member(it: _Item, t: TensorRecord) -> None:
-    """Make member ``t`` of item ``it`` 16-bit: its bits become 16/weight; whole tensors lose all damage."""
-    full = 16 * t.numel
+def _member_sensitivity(it: _Item, key: str, m: Measurement, target: float) -> float:
+    """A member's own measured damage near the target, to order tensors whose items tie.
+
+    A whole tensor: its item's damage. A joint member: its own error where one was measured,
+    else how much the module's error grows between the options where this member is widest
+    and those where it is narrowest (measured joint errors, no guess).
+    """
+    if len(it.members) == 1:
+        return _sensitivity(it, target)
+    t = m.tensors[key]
+    own = [r for r in t.options if r.err is not None]
+    if own:
+        r = min(own, key=lambda r: abs(r.bpw - target))
+        return float(t.importance * r.err ** 2) if r.damage is None else float(r.damage)
+    rows = [(c.members[key].total_bits, float(d)) for c, d in zip(it.choices, it.damage)
+            if getattr(c, "members", None) and c.members.get(key) is not None]
+    if len(rows) < 2:
+        return 0.0
+    lo, hi = min(b for b, _ in rows), max(b for b, _ in rows)
+    at_lo = [d for b, d in rows if b == lo]
+    at_hi = [d for b, d in rows if b == hi]
+    return float(np.mean(at_lo) - np.mean(at_hi))
+
+
+def _keep_member(it: _Item, t: TensorRecord, outside: bool = False) -> None:
+    """Make member ``t`` of item ``it`` 16-bit: its bits become 16/weight (0 in the budget when ``outside``);
+    whole tensors lose all damage."""
+    full = 0 if outside else 16 * t.numel
     if len(it.members) == 1:
         it.bits = np.array([full], dtype=np.int64)
         it.damage = np.array([0.0])
@@ -348,6 +381,8 @@ def _keep_member(it: _Item, t: TensorRecord) -> None:
         return
     # a member of a joint option: swap its bits for 16-bit ones, keep the (conservative) joint damage
     it.bits = np.array([b - c.members[t.key].total_bits + full for b, c in zip(it.bits, it.choices)], dtype=np.int64)
+    if outside:
+        it.numel -= t.numel
     it.choices = [_JointKept(c, t.key) for c in it.choices]
 
 
@@ -600,6 +635,7 @@ def optimize(
     parts: Mapping[str, Sequence[str]] | None = None,
     mlx_lm_compatible: bool = False,
     err_power: float = 2.0,
+    keep_outside_budget: bool = False,
     exchange_rounds: int = 500,
     exact_states: int = 2000,
 ) -> Plan:
@@ -609,12 +645,14 @@ def optimize(
     ``keep`` lists names or glob patterns kept 16-bit; ``keep_most_sensitive`` keeps
     the N most sensitive tensors of each part (an int for every part, or part -> N,
     parts given by ``parts`` as part -> patterns or by :func:`default_part`);
-    ``mlx_lm_compatible`` allows whole-tensor options only. When the exact Pareto
+    ``mlx_lm_compatible`` allows whole-tensor options only; ``keep_outside_budget`` leaves kept
+    tensors out of the bpw budget (they still count in ``total_bpw``). When the exact Pareto
     dynamic program stays under ``exact_states`` states it replaces the heuristic
     (gap 0).
     """
     t0 = time.perf_counter()
-    p = _build(measurement, target_bpw, head_option, keep, keep_most_sensitive, parts, mlx_lm_compatible, err_power)
+    p = _build(measurement, target_bpw, head_option, keep, keep_most_sensitive, parts, mlx_lm_compatible, err_power,
+               keep_outside_budget)
     _check_range(p)
     pruned = [_prune(it) for it in p.items]
     pos, bound, lam = _lp_walk(p, pruned)

@@ -209,7 +209,7 @@ def bit_map(manifest: dict, width: int = 5) -> str:
     acc = manifest.get("accounting", {})
     lines.append("")
     lines.append(f"cells: bits per weight, m = mixed-proportion, shade {_SHADES!r} from {lo:.2f} to {hi:.2f} bpw")
-    for key in ("target_bpw", "average_bits", "average_bits_all", "packed_bytes", "dense_bytes",
+    for key in ("target_bpw", "average_bits", "average_bits_all", "packed_bytes", "kept16_bytes",
                 "weights_on_disk_bytes", "quantized_elements", "elements"):
         if key in acc and acc[key] is not None:
             val = acc[key]

@@ -273,8 +273,8 @@ def check_belongs_to(
                 raise ValueError(msg + "; pass --allow-other-model to reuse it for a model of the same architecture")
             notes.append(msg + " (allowed by --allow-other-model)")
     else:
-        notes.append(f"the {what} {path} carries no model fingerprint (an ExLlamaV2 file?): cannot check it was "
-                     f"made for {source.spec}; only names and shapes are checked")
+        notes.append(f"the {what} {path} carries no model fingerprint (another tool's file?): cannot check "
+                     f"it was made for {source.spec}; only names and shapes are checked")
     unknown = sorted(k for k in shapes if k not in model_shapes_)
     if unknown:
         raise ValueError(f"the {what} {path} names tensors that {source.spec} does not have: {unknown[:3]}"

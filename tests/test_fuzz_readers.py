@@ -175,10 +175,11 @@ def _manifest_fields(doc: dict) -> tuple[list, list]:
             fields.append((("accounting", name), "num", False, False))
     for i in range(len(doc["files"])):
         fields += [(("files", i, "name"), "str", True, False), (("files", i, "bytes"), "int", True, True)]
-    for name in doc["modules"]:
+    for name, rec in doc["modules"].items():
         r = ("modules", name)
+        bits = "storage_bits" if "storage_bits" in rec else "bits"
         fields += [(r + ("option",), "str", True, False), (r + ("shape",), "list", True, True),
-                   (r + ("numel",), "int", True, True), (r + ("bits",), "int", True, True),
+                   (r + ("numel",), "int", True, True), (r + (bits,), "int", True, True),
                    (r + ("bpw",), "num", True, True), (r + ("bytes",), "int", True, False)]
     return fields, []
 

@@ -22,7 +22,7 @@ from mlx_dq.measurement import (
 )
 from mlx_dq.options import QuantOption
 
-SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+from seeds import seed_path  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,10 +32,7 @@ def _loaded(path: Path) -> Measurement:
 
 
 def _seed(prefix: str) -> Path:
-    hits = sorted(SEEDS.glob(f"{prefix}_*.txt")) if SEEDS.is_dir() else []
-    if not hits:
-        pytest.skip(f"seed {prefix} not available at {SEEDS}")
-    return hits[0]
+    return seed_path(prefix)
 
 
 def _synthetic(rng: np.random.Generator) -> Measurement:

@@ -21,7 +21,7 @@ from mlx_dq.optimize import (
 )
 from mlx_dq.options import QuantOption
 
-SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
+from seeds import seed_path  # noqa: E402
 UNIFORM = [QuantOption.uniform(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
 MIXED = [QuantOption.parse(d) for d in ("0.1:4b_32g/0.9:3b_32g", "0.25:6b_64g/0.75:4b_64g", "0.5:3b_128g/0.5:2b_128g")]
 
@@ -171,10 +171,7 @@ def _seed003_like(seed_cfg: dict | None) -> tuple[Measurement, set[str], dict]:
 def test_keep_most_sensitive_reproduces_seed003_semantics(use_seed: bool) -> None:
     cfg = None
     if use_seed:
-        hits = sorted(SEEDS.glob("003_*.txt")) if SEEDS.is_dir() else []
-        if not hits:
-            pytest.skip("seed 003 not available")
-        cfg = json.loads(hits[0].read_text())
+        cfg = json.loads(seed_path("003").read_text())
     m, expected_kept, parts = _seed003_like(cfg)
     keep = {"backbone": 2, "depth": 999}
     ts = m.tensors.values()
@@ -293,10 +290,7 @@ def test_baselines_respect_budget_and_lose_to_the_optimizer() -> None:
 
 
 def test_seed_plans_meet_targets() -> None:
-    hits = sorted(SEEDS.glob("000_*.txt")) if SEEDS.is_dir() else []
-    if not hits:
-        pytest.skip("seed 000 not available")
-    m = load_measurement(hits[0])
+    m = load_measurement(seed_path("000"))
     for target in (2.5, 4.0):
         plan = optimize(m, target)
         assert target - 0.02 <= plan.achieved_bpw <= target
