@@ -48,7 +48,7 @@ def convert(
     """Measure, optimize and quantize ``hf_path`` to ``bpw`` bits per weight into the MLX folder ``mlx_path``.
 
     ``hf_path`` is an HF folder, hub id, .gguf file or ``smollm2-135m``; ``dtype``
-    the type of unquantized tensors (float16); ``upload_repo`` uploads the finished
+    the dtype of scales, biases and 16-bit tensors (float16; bfloat16 or auto with ``method="rtn"``); ``upload_repo`` uploads the finished
     folder (checked for network and token before any work starts). Other options
     (``plan``, ``measurement``, ``mlx_lm_compatible``, ``calib``, ``rows``, ...) are
     those of :func:`mlx_dq.convert.convert`. Returns the manifest.

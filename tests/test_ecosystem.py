@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
 import os
@@ -335,7 +336,7 @@ def test_upload_sends_exactly_the_listed_files_and_names_the_repo_in_the_card(mi
 def test_python_api_reads_like_mlx_lm(carded_source, tmp_path):
     import mlx_lm
 
-    conv_module = sys.modules["mlx_dq.convert"]
+    conv_module = importlib.import_module("mlx_dq.convert")
     assert mlx_dq.convert is conv_module and callable(mlx_dq.convert)
     from mlx_dq.convert import convert as inner, quantize_model  # noqa: F401  the module's own names still import
 
@@ -349,9 +350,13 @@ def test_python_api_reads_like_mlx_lm(carded_source, tmp_path):
                               dtype="float16", **CALIB)
     assert (out / "README.md").is_file() and manifest["provenance"]["command"].startswith("mlx_dq.convert(")
     model, _ = mlx_lm.load(str(out))
-    with pytest.raises(ValueError, match="dtype"):
-        mlx_dq.convert(str(carded_source), str(tmp_path / "bf"), plan=_recipe(carded_source, False),
-                       dtype="bfloat16", **CALIB)
+    bf = mlx_dq.convert(str(carded_source), str(tmp_path / "bf"), plan=_recipe(carded_source, False),
+                        dtype="bfloat16", **CALIB)
+    assert bf["provenance"]["settings"]["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "bf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="bfloat16"):
+        mlx_dq.convert(str(carded_source), str(tmp_path / "bf-gptq"), plan=_recipe(carded_source, False),
+                       dtype="bfloat16", **{**CALIB, "method": "gptq"})
 
 
 @pytest.mark.parametrize("first", ["import mlx_dq", "from mlx_dq.convert import convert", "import mlx_dq.convert"])
