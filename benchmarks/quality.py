@@ -662,6 +662,10 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
             "`--mlx-lm-compatible` plans use whole-tensor options only; '(no compensation)' rows are measured "
             "with rounding (`measure --method rtn`) and quantized with rounding + clip search (`convert --method "
             "rtn`) instead of GPTQ.",
+            "mlx-lm's DWQ (`mlx_lm.dwq`: distils scales and biases against the source's logits) is not a row: "
+            "its defaults are 2,048 samples x 1,025 tokens, batch 4, i.e. 512 forward+backward passes through a "
+            "quantized model, many hours on a CPU; a reduced run that fits about an hour here would distil on too "
+            "few tokens to stand for the method.",
         ] + ([f"Only rows whose name matches `{select}` were built."] if select else []),
     )
     write_markdown(out_dir / "quality.md", results, info)
