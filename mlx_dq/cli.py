@@ -119,7 +119,9 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
                         out_path=output, resume=not no_resume, importance=importance, clip=clip,
                         method=method, kl_scale=kl_scale)
     except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(_rank_tag(str(e))) from None
+    if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
+        return
     n_opts = sum(len(t.options) for t in m.tensors.values())
     click.echo(f"measured {len(m.tensors)} tensors x options = {n_opts} in {time.perf_counter() - t0:.1f} s "
                f"({rows} rows x {seq_len} tokens)")
@@ -249,7 +251,9 @@ def convert(model_spec: str, bpw: float | None, output: str, measurement: str | 
             measure_kwargs={"rows": rows, "seq_len": seq_len},
         )
     except (ValueError, FileExistsError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(_rank_tag(str(e))) from None
+    if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
+        return
     acc = manifest["accounting"]
     click.echo(f"wrote {output}: {acc['average_bits']:.4f} bpw planned tensors, {acc['average_bits_all']:.4f} bpw "
                f"all quantizable tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
@@ -323,3 +327,17 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
     if write and folder is not None and evaluate.read_manifest(folder) is not None:
         block = evaluate.results_block(result, base_model, evaluate.read_manifest(folder))
         click.echo(f"results written to {evaluate.write_results(folder, block)}")
+
+
+def _rank_tag(message: str) -> str:
+    """``message`` naming this rank when several ranks run under ``mlx.launch``."""
+    from mlx_dq.distributed import tag
+
+    return tag(message)
+
+
+def _is_root() -> bool:
+    """True unless this process is a rank other than 0 under ``mlx.launch``."""
+    from mlx_dq.distributed import is_root
+
+    return is_root()

@@ -374,6 +374,7 @@ def state_path(out: Path, layer: int) -> Path:
 def save_state(out: Path, layer: int, hidden: LocalRows, settings: str, carried: dict[int, mx.array]) -> None:
     """Write this rank's hidden states (and carried copies) after ``layer`` atomically."""
     sp = state_path(out, layer)
+    sp.parent.mkdir(parents=True, exist_ok=True)
     tmp = sp.with_name(sp.name.replace(".safetensors", ".tmp.safetensors"))
     arrays = {**hidden.arrays(), **{f"carried.{k}": v for k, v in carried.items()}}
     mx.save_safetensors(str(tmp), arrays, metadata={"layer": str(layer), "settings": settings})
