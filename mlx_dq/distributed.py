@@ -57,7 +57,8 @@ class Traffic:
             self.object_bytes += nbytes
         self.calls += 1
         if layer is not None:
-            self.by_layer[layer] = self.by_layer.get(layer, 0) + nbytes
+            per = self.by_layer.setdefault(layer, {"gram": 0, "object": 0})
+            per["gram" if kind == "gram" else "object"] += nbytes
 
 
 TRAFFIC = Traffic()
