@@ -1,4 +1,4 @@
-"""Speedup of a two-rank measurement (mlx.launch, ring backend on localhost) over one rank, and its traffic.
+"""Speedup of a two-rank measurement (mx.distributed ring backend on localhost) over one rank, and its traffic.
 
 Measures the bundled SmolLM2-135M (optionally only its first ``--layers``
 decoder layers, written to a temporary folder) once with one rank and once
@@ -10,7 +10,11 @@ gathered results). Run from the repository root:
     python benchmarks/distributed.py --layers 4 --rows 8 --grid fast
 
 On a 2-core machine the two ranks share the two cores with anything else
-running; the figure is only meaningful on an otherwise idle machine.
+running; the figure is only meaningful on an otherwise idle machine. Note
+that MLX's ring backend (0.32.4) waits for a peer by spinning: a rank that
+finishes its share first keeps a core busy until the other arrives, which
+costs nothing when each rank has its own Mac but slows the working rank when
+both share two cores with other jobs.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCH = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
 
 
 def truncated_model(layers: int, folder: Path) -> str:
@@ -65,17 +68,39 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(n: int, args: argparse.Namespace, model: str, out: Path) -> list[dict]:
+    """Run the measurement on ``n`` ranks of the ring backend on localhost; each rank's JSON result line.
+
+    The ranks are started the way ``mlx.launch -n N --backend ring`` starts them
+    (``MLX_RANK`` and a ``MLX_HOSTFILE`` listing one localhost port per rank),
+    but without the launcher's output-forwarding threads: in mlx 0.32.4 they
+    poll the ranks' stdin pipes without waiting and keep a core busy, which on a
+    2-core machine would take a whole core from the ranks being timed.
+    """
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = LAUNCH + ["-n", str(n), "--backend", "ring", "-p", str(args.port + 10 * n), sys.executable, __file__,
-                    "--worker", "--model", model, "--rows", str(args.rows), "--seq-len", str(args.seq_len),
-                    "--grid", args.grid, "--method", args.method, "--out", str(out)]
+    cmd = [sys.executable, __file__, "--worker", "--model", model, "--rows", str(args.rows), "--seq-len",
+           str(args.seq_len), "--grid", args.grid, "--method", args.method, "--out", str(out)]
+    if n > 1:
+        hostfile = out.with_suffix(".hosts.json")
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{args.port + r}"] for r in range(n)]))
+        env["MLX_HOSTFILE"] = str(hostfile)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    procs = [subprocess.Popen(cmd, env=dict(env, MLX_RANK=str(r)) if n > 1 else env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(n)]
+    outs = []
+    for p in procs:
+        o, e = p.communicate()
+        outs.append((p.returncode, o, e))
+        if p.returncode != 0:
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
     wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        sys.exit(f"{n} rank(s) failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-    results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    bad = [(r, o, e) for r, (rc, o, e) in enumerate(outs) if rc != 0]
+    if bad:
+        sys.exit(f"rank {bad[0][0]} of {n} failed:\n{bad[0][1][-2000:]}\n{bad[0][2][-2000:]}")
+    results = [json.loads(line[len("RESULT "):]) for _, o, _ in outs for line in o.splitlines()
+               if line.startswith("RESULT ")]
     for r in results:
         r["process_s"] = wall
     return sorted(results, key=lambda r: r["rank"])
@@ -108,9 +133,9 @@ def main() -> None:
     t1, t2 = one[0]["measure_s"], max(r["measure_s"] for r in two)
     print(f"model: smollm2-135m, {args.layers} decoder layers; {args.rows} rows x {args.seq_len} tokens; "
           f"grid {args.grid}; method {args.method}; one thread per rank")
-    print(f"1 rank : measure {t1:8.1f} s   (whole launch {one[0]['process_s']:.1f} s)")
-    print(f"2 ranks: measure {t2:8.1f} s   (whole launch {two[0]['process_s']:.1f} s)")
-    print(f"speedup: {t1 / t2:.2f}x (measure), {one[0]['process_s'] / two[0]['process_s']:.2f}x (whole launch)")
+    print(f"1 rank : measure {t1:8.1f} s   (whole process {one[0]['process_s']:.1f} s)")
+    print(f"2 ranks: measure {t2:8.1f} s   (whole processes {two[0]['process_s']:.1f} s)")
+    print(f"speedup: {t1 / t2:.2f}x (measure), {one[0]['process_s'] / two[0]['process_s']:.2f}x (whole processes)")
     print(f"measurements identical (timing aside): {same}")
     for r in two:
         layers = r["layers"].values()

@@ -28,8 +28,8 @@ from mlx_dq.measure import measure, strip_timing
 from mlx_dq.measurement import OptionRecord, TensorRecord, load_measurement
 from mlx_dq.options import QuantOption
 
-GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g", "1.0:4b_32g"]}
-ROWS, SEQ_LEN = 8, 40  # two batches of four rows: one per rank
+GRID = {"default": ["1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g", "1.0:4b_32g"]}  # GPTQ, mixed and uniform
+ROWS, SEQ_LEN = 8, 32  # two batches of four rows: one per rank
 REPO = Path(__file__).resolve().parents[1]
 
 
