@@ -144,7 +144,9 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
                         out_path=output, resume=not no_resume, importance=importance, clip=clip,
                         method=method, kl_scale=kl_scale)
     except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(_rank_tag(str(e))) from None
+    if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
+        return
     n_opts = sum(len(t.options) for t in m.tensors.values())
     click.echo(f"measured {len(m.tensors)} tensors x options = {n_opts} in {time.perf_counter() - t0:.1f} s "
                f"({rows} rows x {seq_len} tokens)")
@@ -418,7 +420,9 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             allow_incomplete=allow_incomplete, allow_other_model=allow_other_model,
         )
     except (ValueError, FileExistsError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(_rank_tag(str(e))) from None
+    if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
+        return
     acc = manifest["accounting"]
     for note in manifest["provenance"].get("checks", []):
         click.echo(f"note: {note}")
@@ -704,3 +708,17 @@ def verify(folder: str) -> None:
         click.echo(verify_model_file(folder))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+
+
+def _rank_tag(message: str) -> str:
+    """``message`` naming this rank when several ranks run under ``mlx.launch``."""
+    from mlx_dq.distributed import tag
+
+    return tag(message)
+
+
+def _is_root() -> bool:
+    """True unless this process is a rank other than 0 under ``mlx.launch``."""
+    from mlx_dq.distributed import is_root
+
+    return is_root()
