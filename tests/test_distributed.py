@@ -20,10 +20,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from click.testing import CliRunner
 
 from fixtures_models import make_tiny_model_folder
 from mlx_dq import distributed as dist
-from mlx_dq.convert import convert
+from mlx_dq.cli import main
 from mlx_dq.measure import measure, strip_timing
 from mlx_dq.measurement import OptionRecord, TensorRecord, load_measurement
 from mlx_dq.options import QuantOption
@@ -92,8 +93,10 @@ def setup(tmp_path_factory) -> dict:
     grid.write_text(json.dumps({"description": "test grid", "roles": GRID}))
     single = tmp / "single.json"
     measure(str(folder), grid=str(grid), rows=ROWS, seq_len=SEQ_LEN, out_path=single, progress=False)
-    conv = tmp / "single-out"
-    convert(str(folder), conv, bpw=3.5, measurement=single, rows=ROWS, seq_len=SEQ_LEN, progress=False)
+    conv = tmp / "single-out"  # converted through the same command as the two ranks', so the cards match too
+    res = CliRunner().invoke(main, ["convert", "--model", str(folder), "--bpw", "3.5", "--rows", str(ROWS),
+                                    "--seq-len", str(SEQ_LEN), "--measurement", str(single), "-o", str(conv)])
+    assert res.exit_code == 0, res.output
     return {"tmp": tmp, "folder": folder, "grid": grid, "single": single, "conv": conv}
 
 
@@ -120,16 +123,21 @@ def test_two_ranks_measure_and_convert_byte_identical_to_one_process(setup):
     assert log.count("wrote ") == 1  # rank 0 reports and writes
     names = sorted(p.name for p in s["conv"].iterdir())
     assert names == sorted(p.name for p in conv.iterdir())
-    timing = {"mlx_dq.json": ("provenance", "quantization_seconds"), "plan.json": ("wall_s",)}
+    # the only fields that differ: wall-clock times, and the digest of a measurement file that holds its timings
+    timing = {"mlx_dq.json": [("provenance", "quantization_seconds"), ("provenance", "measurement", "sha256")],
+              "plan.json": [("wall_s",)]}
     for name in names:
         a, b = (s["conv"] / name).read_bytes(), (conv / name).read_bytes()
-        if name in timing:  # the only fields that differ: wall-clock times
+        # the card and the manifest name the output folder and the measurement file
+        a = a.replace(b"single-out", b"two-out").replace(b"single.json", b"two.json")
+        if name in timing:
             da, db = json.loads(a), json.loads(b)
             for doc in (da, db):
-                d = doc
-                for k in timing[name][:-1]:
-                    d = d[k]
-                d.pop(timing[name][-1])
+                for field in timing[name]:
+                    d = doc
+                    for k in field[:-1]:
+                        d = d[k]
+                    d.pop(field[-1])
             assert da == db, name
         elif name == "measurement.json":
             assert strip_timing(json.loads(a)) == strip_timing(json.loads(b))
