@@ -609,7 +609,7 @@ def export(source: str, form: str, output: str, force: bool) -> None:
     try:
         guard_output_file(output, "-o/--output", inputs=[("source", path)], force=force,
                           kind="an earlier export (dynquant, MLX config or dashq record)",
-                          is_kind=lambda p: json_kind(p) in ("dynquant", "mlx_kept16", "dashq"))
+                          is_kind=lambda p: json_kind(p) in ("dynquant", "mlx_kept16", "dashq") or _is_record(p))
         doc = read_json(path)
         ours = isinstance(doc, dict) and (doc.get("schema") == "mlx_dq.manifest" or doc.get("format") == "mlx_dq.plan")
         if not ours:
@@ -627,6 +627,18 @@ def export(source: str, form: str, output: str, force: bool) -> None:
     except (ValueError, KeyError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {output} ({form})")
+
+
+def _is_record(path: str) -> bool:
+    """Whether ``path`` holds a record written by ``export --to record``."""
+    import json
+
+    from mlx_dq.formats.dashq import RECORD_SCHEMA
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")).get("schema") == RECORD_SCHEMA
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _check_plan_output(output: str, file: str, force: bool) -> None:

@@ -489,6 +489,11 @@ def test_export_never_overwrites_its_input_or_a_foreign_file(work, tmp_path):
     out = tmp_path / "dq.json"
     assert cli("export", plan, "--to", "dynquant", "-o", out).exit_code == 0
     assert cli("export", plan, "--to", "mlx-kept16", "-o", out).exit_code == 0  # an earlier export is replaced
+    from mlx_dq.formats.dashq import RECORD_SCHEMA
+
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"schema": RECORD_SCHEMA, "method": "mlx_dq"}))
+    assert cli("export", plan, "--to", "dynquant", "-o", record).exit_code == 0  # a record is an export too
 
 
 def test_optimize_side_outputs_never_overwrite_an_input_or_a_foreign_file(work, tmp_path):
