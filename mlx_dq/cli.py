@@ -131,19 +131,27 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
 @click.option("--no-resume", is_flag=True, help="Start over even if OUTPUT holds an unfinished measurement.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Also write the measurement's figures (PNG) into this folder.")
+@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a measurement.")
 def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: int, grid: str | None,
             importance: str, method: str, clip: bool | None, kl_scale: bool, output: str, no_resume: bool,
-            plot_dir: str | None) -> None:
+            plot_dir: str | None, force: bool) -> None:
     """Measure every tensor's error under each quantization option, one decoder layer at a time."""
     from mlx_dq.measure import measure as run_measure
 
+    from mlx_dq.safety import guard_output_file, json_kind
+
     t0 = time.perf_counter()
     try:
+        guard_output_file(output, "-o/--output", force=force, kind="a measurement",
+                          inputs=[("calibration text", calib), ("grid", grid), ("model", model_spec)],
+                          is_kind=lambda p: json_kind(p) == "mlx_dq")
         m = run_measure(model_spec, calib=calib, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
                         out_path=output, resume=not no_resume, importance=importance, clip=clip,
                         method=method, kl_scale=kl_scale)
     except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(_rank_tag(str(e))) from None
+    if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
+        return
     n_opts = sum(len(t.options) for t in m.tensors.values())
     click.echo(f"measured {len(m.tensors)} tensors x options = {n_opts} in {time.perf_counter() - t0:.1f} s "
                f"({rows} rows x {seq_len} tokens)")
@@ -153,24 +161,31 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
         _write_plots(m, plot_dir, (2.5, 3.5, 4.5), 4.0, None)
 
 
-def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | None, force: bool) -> None:
-    """Refuse outputs that would overwrite the input, a file that is not a plan (without force), or cannot be written."""
+def _is_plan(path: str) -> bool:
+    """Whether ``path`` holds a valid mlx_dq plan (an earlier plan may be replaced)."""
     from mlx_dq.optimize import load_plan
-    from mlx_dq.safety import check_writable_file, same_file
 
-    for flag, path in (("-o/--output", output), ("--mlx-config", mlx_config)):
-        if path is None:
-            continue
-        if same_file(path, measurement):
-            raise ValueError(f"{flag} {path} is the input measurement: refusing to overwrite it")
-        check_writable_file(path, flag)
-    if mlx_config is not None and same_file(output, mlx_config):
-        raise ValueError("-o/--output and --mlx-config name the same file")
-    if Path(output).exists() and not force:
-        try:
-            load_plan(output)
-        except ValueError:
-            raise ValueError(f"{output} exists and is not a plan: refusing to overwrite it (pass --force)") from None
+    try:
+        load_plan(path)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | None, force: bool,
+                            exl2_report: str | None = None) -> None:
+    """Refuse outputs that would overwrite the input, each other, a file of another kind (without force), or cannot be written."""
+    from mlx_dq.safety import csv_with_header, guard_output_file, json_kind
+
+    inputs = [("measurement", measurement)]
+    guard_output_file(output, "-o/--output", inputs=inputs, force=force, kind="a plan", is_kind=_is_plan)
+    if mlx_config is not None:
+        guard_output_file(mlx_config, "--mlx-config", inputs=inputs, others=[("-o/--output", output)], force=force,
+                          kind="an MLX config", is_kind=lambda p: json_kind(p) == "mlx_kept16")
+    if exl2_report is not None:
+        guard_output_file(exl2_report, "--exl2-report", inputs=inputs,
+                          others=[("-o/--output", output), ("--mlx-config", mlx_config)], force=force,
+                          kind="an EXL2 report", is_kind=csv_with_header("tensor"))
 
 
 def _unmeasured_note(m: Any, plan: Any) -> str:
@@ -266,7 +281,7 @@ def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: 
               help="Write a CSV of every planned tensor's EXL2 option and bpw beside its MLX option and bpw.")
 @click.option("--mlx-config", type=click.Path(dir_okay=False), default=None,
               help="Also write the plan as an MLX config (bits, group_size, mode, kept_16bit, tensors).")
-@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a plan.")
+@click.option("--force", is_flag=True, help="Overwrite existing output files that are not of the kind written here.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Plan from an unfinished measurement (unmeasured tensors stay 16-bit).")
 def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool, keep: tuple[str, ...],
@@ -281,7 +296,7 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 
     head = None if head_option == "budget" else head_option
     try:
-        _check_optimize_outputs(measurement, output, mlx_config, force)
+        _check_optimize_outputs(measurement, output, mlx_config, force, exl2_report)
         part_map = keeprules.parse_parts(parts)
         counts = keeprules.parse_keep_counts(keep_most_sensitive)
         keeprules.check_parts(counts, part_map)
@@ -417,7 +432,9 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             allow_incomplete=allow_incomplete, allow_other_model=allow_other_model,
         )
     except (ValueError, FileExistsError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(_rank_tag(str(e))) from None
+    if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
+        return
     acc = manifest["accounting"]
     for note in manifest["provenance"].get("checks", []):
         click.echo(f"note: {note}")
@@ -518,10 +535,14 @@ def _write_csv(rows: list[dict], path: str) -> None:
     """Rows of dicts as a CSV file (header from the first row)."""
     import csv
 
-    with open(path, "w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["tensor"])
+    from mlx_dq.safety import write_text_atomic
+
+    def write(fh: Any) -> None:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["tensor"], lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
+
+    write_text_atomic(write, path)
 
 
 def _convert_notes(output: str) -> None:
@@ -547,7 +568,8 @@ def _convert_notes(output: str) -> None:
 @click.option("--model", "model_spec", required=True, help="Model (spec, folder or config.json) to map the names onto.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True,
               help="Where to write the plan.")
-def import_plan(file: str, model_spec: str, output: str) -> None:
+@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a plan.")
+def import_plan(file: str, model_spec: str, output: str, force: bool) -> None:
     """Turn FILE (a dynquant manifest or an MLX config with kept_16bit) into an mlx_dq plan for a model."""
     from mlx_dq.formats import detect
     from mlx_dq.formats import dynquant, mlx_kept16
@@ -555,6 +577,7 @@ def import_plan(file: str, model_spec: str, output: str) -> None:
     from mlx_dq.optimize import save_plan
 
     try:
+        _check_plan_output(output, file, force)
         data = read_json(file)
         kind = detect(data)
         mod = {"dynquant": dynquant, "mlx_kept16": mlx_kept16}.get(kind)
@@ -562,9 +585,9 @@ def import_plan(file: str, model_spec: str, output: str) -> None:
             raise ValueError(f"{file}: a {kind} document, not a dynquant manifest or an MLX config with kept_16bit")
         modules, model_type = modules_for(model_spec)
         plan = mod.to_plan(data, modules, model_type, path=file)
+        save_plan(plan, output)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    save_plan(plan, output)
     for line in import_summary(plan):
         click.echo(line)
     click.echo(f"{plan.achieved_bpw:.4f} bpw over {len(plan.tensors)} tensors; plan written to {output}")
@@ -575,14 +598,20 @@ def import_plan(file: str, model_spec: str, output: str) -> None:
 @click.option("--to", "form", type=click.Choice(["dynquant", "mlx-kept16", "dashq", "record"]), required=True,
               help="dynquant manifest, MLX config with kept_16bit, dashq record, or our record form.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="JSON file to write.")
-def export(source: str, form: str, output: str) -> None:
+@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not an earlier export.")
+def export(source: str, form: str, output: str, force: bool) -> None:
     """Write SOURCE (an output folder, its mlx_dq.json, or a plan) in another tool's form."""
     from mlx_dq.formats import dashq, dynquant, mlx_kept16
     from mlx_dq.formats.common import read_json
     from mlx_dq.measurement import write_json_atomic
 
+    from mlx_dq.safety import guard_output_file, json_kind
+
     path = Path(source) / "mlx_dq.json" if Path(source).is_dir() else Path(source)
     try:
+        guard_output_file(output, "-o/--output", inputs=[("source", path)], force=force,
+                          kind="an earlier export (dynquant, MLX config or dashq record)",
+                          is_kind=lambda p: json_kind(p) in ("dynquant", "mlx_kept16", "dashq") or _is_record(p))
         doc = read_json(path)
         ours = isinstance(doc, dict) and (doc.get("schema") == "mlx_dq.manifest" or doc.get("format") == "mlx_dq.plan")
         if not ours:
@@ -596,10 +625,29 @@ def export(source: str, form: str, output: str) -> None:
                 raise ValueError(f"{path}: the {form} form needs a manifest (an output folder), not a plan")
             out = dashq.record_from_manifest(doc)
             out = dashq.to_dashq(out) if form == "dashq" else out
-    except (ValueError, KeyError) as e:
+        write_json_atomic(out, output)
+    except (ValueError, KeyError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    write_json_atomic(out, output)
     click.echo(f"wrote {output} ({form})")
+
+
+def _is_record(path: str) -> bool:
+    """Whether ``path`` holds a record written by ``export --to record``."""
+    import json
+
+    from mlx_dq.formats.dashq import RECORD_SCHEMA
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")).get("schema") == RECORD_SCHEMA
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_plan_output(output: str, file: str, force: bool) -> None:
+    """Refuse a plan output that is the input FILE or, without force, an existing file that is not a plan."""
+    from mlx_dq.safety import guard_output_file
+
+    guard_output_file(output, "-o/--output", inputs=[("file", file)], force=force, kind="a plan", is_kind=_is_plan)
 
 
 def _not_another_form(path: str) -> None:
@@ -702,3 +750,17 @@ def verify(folder: str) -> None:
         click.echo(verify_model_file(folder))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+
+
+def _rank_tag(message: str) -> str:
+    """``message`` naming this rank when several ranks run under ``mlx.launch``."""
+    from mlx_dq.distributed import tag
+
+    return tag(message)
+
+
+def _is_root() -> bool:
+    """True unless this process is a rank other than 0 under ``mlx.launch``."""
+    from mlx_dq.distributed import is_root
+
+    return is_root()

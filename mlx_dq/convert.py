@@ -31,6 +31,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+from . import distributed as dist
 from .capture import GramCollector, iter_batches, quantizable_modules
 from .measurement import Measurement, load_measurement
 from .optimize import Plan, load_plan, optimize, save_plan
@@ -307,6 +308,10 @@ def quantize_stream(
     def run(mods: dict[str, nn.Module], stats: dict) -> Iterator[tuple]:
         from .safety import check_finite_weight
 
+        if dist.active():  # each rank quantizes its share of the tensors (balanced by cost); all get every result
+            yield from _run_shared(mods, stats, options, method=method, clip=clip, damp=damp,
+                                   promote=promote_mixed, scale_dtype=scale_dtype)
+            return
         for path, mod in mods.items():
             st = stats.get(path)
             gram = st.gram if st is not None else None
@@ -318,25 +323,31 @@ def quantize_stream(
 
     _load_into(net, dict(source.other_weights()))
     batches = list(iter_batches(int(tokens.shape[0]), batch_size))
+    share = dist.RowShare(int(tokens.shape[0]), batch_size)  # one rank: every batch, as before
+    progress = progress and dist.is_root()
     calls, firsts = [], []
     for sl in batches:
         h0, call = probe_layers(net, tokens[sl])
         mx.eval(h0)
         calls.append(call)
         firsts.append(h0)
-    hidden = mx.concatenate(firsts, axis=0)
+    hidden = share.join([f for b, f in enumerate(firsts) if share.runs(b)])
     del firsts
 
     def forward(layer: nn.Module, i: int, col: GramCollector | None) -> mx.array:
         ys = []
         for b, sl in enumerate(batches):
+            if not share.runs(b):
+                continue
             args, kwargs = calls[b][i]
             y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
             mx.eval(y)
             if col is not None:
-                col.flush()
+                share.flush(col, b)
             ys.append(y)
-        return mx.concatenate(ys, axis=0)
+        if col is not None:
+            dist.reduce_stats(col)
+        return share.join(ys)
 
     bar = tqdm(total=len(layers) + 1, desc="quantize", unit="layer", disable=not progress)
     for i, layer in enumerate(layers):
@@ -364,14 +375,39 @@ def quantize_stream(
 
     head_mods = {p: m for p, m in all_mods.items() if not p.startswith(prefix)}
     with GramCollector(head_mods) as col:
-        for sl in batches:
+        for b, sl in enumerate(batches):
+            if not share.runs(b):
+                continue
             mx.eval(head_logits(net, tokens[sl], hidden[sl]))
-            col.flush()
+            share.flush(col, b)
+    dist.reduce_stats(col)
     yield from run(head_mods, col.stats)
     done = {f"{p}.weight" for p in head_mods}
     yield {k: v for k, v in tree_flatten(net.parameters()) if not k.startswith(prefix) and k not in done}
     bar.update(1)
     bar.close()
+
+
+def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption], *, method: str,
+                clip: bool, damp: float, promote: bool, scale_dtype: mx.Dtype = mx.float16) -> Iterator[tuple]:
+    """Quantize this rank's share of ``mods`` (balanced by cost), gather every rank's, yield all in order."""
+    from .safety import check_finite_weight
+
+    for path, mod in mods.items():  # every rank checks every weight, so a bad one stops all ranks alike
+        check_finite_weight(path, mod.weight)
+    opts = {p: options.get(p, QuantOption.fp16()) for p in mods}
+    costs = [dist.option_cost(tuple(m.weight.shape), method, clip, opts[p].keep16) for p, m in mods.items()]
+    owner = dict(zip(mods, dist.split_by_cost(costs)))
+    mine = {}
+    for path, mod in mods.items():
+        if owner[path] == dist.rank():
+            st = stats.get(path)
+            mine[path] = quantize_tensor(mod.weight, opts[path], st.gram if st is not None else None, method=method,
+                                         clip=clip, damp=damp, promote=promote, scale_dtype=scale_dtype)
+    every = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
+    for path, mod in mods.items():
+        st = stats.get(path)
+        yield path, mod, every[path], st.gram if st is not None else None, mod.weight
 
 
 def _record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array],
@@ -543,12 +579,15 @@ def convert(
     mkw.setdefault("method", method)  # measure the errors this conversion will produce
     mkw.setdefault("clip", None if clip else False)
     meas_path = out.parent / f".{out.name}.measurement.json"
-    the_plan, meas = resolve_plan(
-        source, bpw=bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
-        mlx_lm_compatible=mlx_lm_compatible, head_option=head_option, keep=keep, measure_kwargs=mkw,
-        progress=progress, keep_outside_budget=keep_outside_budget, allow_incomplete=allow_incomplete,
-        allow_other_model=allow_other_model, notes=notes,
-    )
+    the_plan, meas = None, None
+    if dist.is_root() or (plan is None and measurement is None):  # measuring takes every rank
+        the_plan, meas = resolve_plan(
+            source, bpw=bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
+            mlx_lm_compatible=mlx_lm_compatible, head_option=head_option, keep=keep, measure_kwargs=mkw,
+            progress=progress, keep_outside_budget=keep_outside_budget, allow_incomplete=allow_incomplete,
+            allow_other_model=allow_other_model, notes=notes,
+        )
+    the_plan = dist.broadcast(the_plan)  # rank 0's plan is the one every rank applies
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
     unplanned = sorted(k for k in model_shapes(source.config) if k not in options)
     if unplanned and not isinstance(plan, dict):
@@ -556,6 +595,12 @@ def convert(
                      + (f" (and {len(unplanned) - 4} more)" if len(unplanned) > 4 else ""))
 
     texts, tokens = calib_mod.calibration_rows(source.tokenizer(), calib, rows, seq_len, seed)
+    if not dist.is_root():  # the other ranks quantize their share; rank 0 writes the folder
+        for _ in quantize_stream(source, options, tokens, method=method, sequential=sequential, clip=clip,
+                                 damp=damp, promote_mixed=promote_mixed, progress=False,
+                                 _fail_after_layer=_fail_after_layer):
+            pass
+        return dist.broadcast(None)
     tmp = _prepare_output(out, force)
     try:
         writer = ShardWriter(tmp, shard_bytes)
@@ -621,7 +666,7 @@ def convert(
         raise
     meas_path.unlink(missing_ok=True)
     Path(str(meas_path) + ".state.safetensors").unlink(missing_ok=True)
-    return manifest
+    return dist.broadcast(manifest)
 
 
 def _output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: str = "float16") -> dict:

@@ -85,6 +85,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
+from . import distributed as dist
 from .capture import GramCollector, InputStats, iter_batches, quantizable_modules
 from .measurement import Measurement, TensorRecord, load_measurement, save_measurement
 from .options import QuantOption
@@ -186,6 +187,11 @@ def _lookup_error(w: mx.array, wq: mx.array, counts: np.ndarray) -> float:
     return float(mx.sqrt((c * d * d).sum() / (c * w32 * w32).sum()).item())
 
 
+def fitting_options(options: Sequence[QuantOption], in_features: int) -> list[QuantOption]:
+    """The options measured for a tensor with ``in_features`` input channels (16-bit when none fits)."""
+    return [o for o in options if o.fits(in_features)] or [QuantOption.fp16()]
+
+
 def reference_option(options: Sequence[QuantOption], in_features: int, ref: str = REFERENCE_OPTION) -> QuantOption:
     """The reference option for importance: ``ref`` when it fits, else the fitting option nearest in bpw."""
     want = QuantOption.parse(ref)
@@ -253,6 +259,7 @@ def measure_tensor(
     method: str = "rtn",
     damage_fn: Callable[[mx.array], float] | None = None,
     progress: bool = False,
+    only: set[str] | None = None,
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
@@ -264,6 +271,7 @@ def measure_tensor(
     keys name options, their dequantized weights are stored in it;
     ``damage_fn(wq)`` when given measures each option's end-to-end damage.
     ``progress`` shows a bar over the options (the head: minutes on a CPU).
+    ``only`` (option descriptions) measures just those (one rank's share).
     """
     from .convert import quantize_tensor
     from .safety import check_finite_weight
@@ -274,7 +282,9 @@ def measure_tensor(
     quant_gram = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
     meter = _error_meter(w, gram, lookup.token_counts if lookup is not None and gram is None else None)
     rec = TensorRecord(key, shape, role=role)
-    fitting = [o for o in options if o.fits(shape[-1])] or [QuantOption.fp16()]  # else it can only stay 16-bit
+    fitting = fitting_options(options, shape[-1])
+    if only is not None:
+        fitting = [o for o in fitting if o.desc in only]
     factors: dict = {}
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
         if method == "gptq" and gram is not None and not opt.keep16:
@@ -635,8 +645,12 @@ def measure(
     hidden: mx.array | None = None
     carried: dict[int, mx.array] = {}  # layer -> hidden states of the importance rows with that layer quantized
     sample_layers = set(np.linspace(0, len(layers) - 1, min(KL_SAMPLE_LAYERS, len(layers))).round().astype(int).tolist())
-    if out is not None and resume and out.exists():
-        old = load_measurement(out)
+    share = dist.RowShare(rows, batch_size, n_imp)  # one rank: every batch, as before
+    progress = progress and dist.is_root()
+    old = None
+    if out is not None and resume and (out.exists() or dist.active()):
+        old = dist.broadcast(load_measurement(out) if dist.is_root() and out.exists() else None)
+    if old is not None:
         if old.extra.get("settings_digest") != settings:
             raise ValueError(
                 f"{out} was measured with different settings (model, calibration, grid or importance); "
@@ -644,8 +658,12 @@ def measure(
             )
         if old.extra.get("complete"):
             return old
-        state = _load_state(out, settings)
         done_idx = old.last_module_idx if old.last_module_idx is not None else -1
+        if dist.active():  # every rank must hold its state of the last layer the file records
+            st = dist.load_state(out, done_idx, settings, share.batches) if done_idx >= 0 else None
+            state = (st[0], done_idx, st[1]) if all(dist.gather_objects(st is not None)) else None
+        else:
+            state = _load_state(out, settings)
         if state is not None and state[1] <= done_idx:
             hidden, done, carried = state
             start_layer = done + 1
@@ -673,7 +691,7 @@ def measure(
     h0 = mx.concatenate(firsts, axis=0)[:n_imp]
     embed_importance = float((h0 * h0).sum().item()) / robust_energy(h0)  # lookup damage is err**2 of the total
     if hidden is None:
-        hidden = mx.concatenate(firsts, axis=0)
+        hidden = share.join([f for b, f in enumerate(firsts) if share.runs(b)])
     del firsts
 
     bar = tqdm(total=len(layers), desc="measure", unit="layer", disable=not progress, initial=start_layer)
@@ -684,27 +702,37 @@ def measure(
         mods = {p: mod for p, mod in quantizable_modules(layer, prefix=f"{prefix}{i}.").items()
                 if role_of(p) is not None}
         new_hidden = []
+        dist.set_stage(i)
         with GramCollector(mods, expert_mode) as col:
             for b, sl in enumerate(batches):
+                if not share.runs(b):
+                    continue
                 args, kwargs = calls[b][i]
                 y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
                 mx.eval(y)
-                col.flush()
+                share.flush(col, b)
                 new_hidden.append(y)
+        dist.reduce_stats(col)
         t1 = time.perf_counter()
         for k in carried:  # perturbed copies of earlier layers travel on through this one
             carried[k] = layer(carried[k], *calls[0][i][0], **calls[0][i][1]).astype(mx.float32)
             mx.eval(carried[k])
         records, refs = [], {}
+        owner = _share_options(mods, grid_map, method, clip)  # {} with one rank
         for path, mod in mods.items():
             role = role_of(path)
             opts = _grid_options(grid_map, role, path)
             ref = reference_option(opts, int(mod.weight.shape[-1]))
             kept = {ref.desc: None}
             rec = measure_tensor(path, mod.weight, opts, col.stats.get(path), role, clip=clip, kept=kept,
-                                 method=method)
+                                 method=method, only={d for (p, d), r in owner.items()
+                                                          if p == path and r == dist.rank()} if owner else None)
             records.append(rec)
-            if importance == "residual":
+            if importance == "residual" and owner and owner.get(
+                    (path, ref.desc), owner.get((path, fitting_options(opts, int(mod.weight.shape[-1]))[0].desc))
+            ) != dist.rank():
+                rec.extra["importance_ref"] = ref.desc  # another rank computes this tensor's importance
+            elif importance == "residual":
                 if kept[ref.desc] is None:  # the reference is not one of the grid's options
                     gram = col.stats[path].gram
                     kept[ref.desc] = quantize_weight(mod.weight, ref, gram=gram.sum(0) if gram.ndim == 3 else gram,
@@ -712,17 +740,23 @@ def measure(
                 refs[path] = kept[ref.desc]
                 rec.extra["importance_ref"] = ref.desc
         t2 = time.perf_counter()
-        if importance == "residual":
+        imp = {}
+        if importance == "residual" and refs:
             imp = residual_importance(layer, hidden[:n_imp], calls[0][i], mods, refs, expert_mode)
+        if owner:  # gather every rank's options, importances (and the sampled layers' references)
+            records, imp, refs = dist.gather_layer(
+                records, imp, refs if kl_scale and i in sample_layers else {}, owner, list(mods))
+        if importance == "residual":
             for rec in records:
                 r = imp[rec.key]
                 rec.importance = r["importance"]
                 rec.extra["importance_detail"] = {"damage": r["damage"], "err": r["err"]}
             if kl_scale and i in sample_layers:
-                carried[i] = _perturbed_output(layer, hidden[:n_imp], calls[0][i], mods, refs)
+                if dist.is_root():  # the carried copies travel on rank 0 only
+                    carried[i] = _perturbed_output(layer, hidden[:n_imp], calls[0][i], mods, refs)
                 m.extra["importance"]["kl_scale"]["samples"].append(
                     {"layer": i, "predicted": sum(imp[p]["damage"] for p in refs)})
-        hidden = mx.concatenate(new_hidden, axis=0)
+        hidden = share.join(new_hidden)
         del new_hidden, refs, col
         _free(layer)
         gc.collect()  # the capture's temporary classes form reference cycles; free this layer's arrays now
@@ -733,7 +767,13 @@ def measure(
         m.extra["timing"]["layers_s"].append(round(t3 - t0, 3))
         for name, dt in (("forward_s", t1 - t0), ("options_s", t2 - t1), ("importance_s", t3 - t2)):
             m.extra["timing"].setdefault(name, []).append(round(dt, 3))
-        if out is not None:
+        if out is not None and dist.active():  # a layer is done once every rank has its state
+            dist.save_state(out, i, hidden, settings, carried)
+            dist.barrier()
+            if dist.is_root():
+                save_measurement(m, out)
+            dist.drop_states(out, before=i - 1)
+        elif out is not None:
             save_measurement(m, out)
             _save_state(out, hidden, i, settings, carried)
         bar.update(1)
@@ -744,25 +784,37 @@ def measure(
     # head and embedding: the final hidden states through the model's own norm and head
     head_mods = {p: mod for p, mod in quantizable_modules(model).items()
                  if not p.startswith(prefix) and role_of(p) is not None}
-    nll = 0.0
+    nlls = []
+    dist.set_stage("head")
     with GramCollector(head_mods, expert_mode) as head_col:
         for sl in iter_batches(rows, 1):  # one row at a time: logits are [seq_len, vocab]
+            if not share.owns_row(sl.start):
+                continue
             logits = head_logits(model, tokens[sl], hidden[sl])
-            nll += _nll_sum(logits, tokens[sl])
-            head_col.flush()
+            nlls.append((sl.start, _nll_sum(logits, tokens[sl])))
+            share.flush(head_col, sl.start, owned=True)
             del logits
+    dist.reduce_stats(head_col)
+    nll = 0.0
+    for _, v in sorted(x for part in dist.gather_objects(nlls) for x in part):  # row order, as one process sums
+        nll += v
     m.base_perplexity = math.exp(nll / (rows * (seq_len - 1)))
     head_kl = _HeadKL(model, tokens[:n_imp], hidden[:n_imp]) if kl_scale else None
     scale = 1.0
     if kl_scale:
         info = m.extra["importance"]["kl_scale"]
-        for sample in info["samples"]:
-            sample["kl"] = head_kl.kl(carried.pop(sample["layer"]))
-        pred = sum(x["predicted"] for x in info["samples"])
-        scale = sum(x["kl"] for x in info["samples"]) / pred if pred > 0 else 1.0
-        info["scale"] = scale
+        if dist.is_root():
+            for sample in info["samples"]:
+                sample["kl"] = head_kl.kl(carried.pop(sample["layer"]))
+            pred = sum(x["predicted"] for x in info["samples"])
+            scale = sum(x["kl"] for x in info["samples"]) / pred if pred > 0 else 1.0
+            info["scale"] = scale
+        info = m.extra["importance"]["kl_scale"] = dist.broadcast(info)
+        scale = info["scale"]
         for rec in m.tensors.values():
             rec.importance *= scale
+    owner = _share_options(head_mods, grid_map, method, clip)
+    head_recs = []
     for path, mod in head_mods.items():
         role = role_of(path)
         stats = head_col.stats.get(path)
@@ -773,7 +825,8 @@ def measure(
             if path in embed_lookup:  # tied: the same codes also feed layer 0 through the lookup
                 fn = _add_lookup_damage(fn, mod.weight, embed_lookup[path], embed_importance * scale)
         rec = measure_tensor(path, mod.weight, _grid_options(grid_map, role, path), stats, role,
-                             lookup=lookup, clip=clip, method=method, damage_fn=fn, progress=progress)
+                             lookup=lookup, clip=clip, method=method, damage_fn=fn, progress=progress,
+                             only={d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None)
         if stats is not None and path in embed_lookup:
             m.tied = {"lm_head": path}
             rec.extra["tied_head"] = True
@@ -784,6 +837,13 @@ def measure(
             if path in embed_lookup:
                 rec.extra["damage"] += " plus the lookup side's predicted KL (KL-scaled importance x lookup error^2)"
                 rec.extra["lookup_damage"] = [round(x, 6) for x in fn.lookup_damage]
+        head_recs.append((rec, mod, fn))
+    if owner:
+        merged = dist.gather_layer([r for r, _, _ in head_recs], {}, {}, owner, list(head_mods))[0]
+        head_recs = [(r, mod, fn) for r, (_, mod, fn) in zip(merged, head_recs)]
+    for rec, mod, fn in head_recs:
+        path = rec.key
+        if fn is not None:
             ref_rec = rec.find(reference_option([o.option for o in rec.options], int(mod.weight.shape[-1])))
             if ref_rec is not None and ref_rec.err:
                 rec.importance = ref_rec.damage / ref_rec.err**2  # for reports; the optimizer uses the damage
@@ -793,10 +853,26 @@ def measure(
         kl_importance(source, m, tokens[:n_imp], grid_map, clip=clip, progress=progress)
     m.extra["complete"] = True
     m.extra["timing"]["total_s"] = round(time.perf_counter() - t_start, 3)
-    if out is not None:
+    if out is not None and dist.is_root():
         save_measurement(m, out)
         _state_path(out).unlink(missing_ok=True)
+    if out is not None and dist.active():
+        dist.barrier()
+        dist.drop_states(out)
+    dist.set_stage(None)
     return m
+
+
+def _share_options(mods: dict[str, nn.Module], grid_map: dict, method: str, clip: bool) -> dict[tuple[str, str], int]:
+    """The rank that measures each (tensor, option) of ``mods``, balanced by cost; {} with one rank."""
+    from .grids import role_of
+
+    if not dist.active():
+        return {}
+    units = [(p, o) for p, mod in mods.items()
+             for o in fitting_options(_grid_options(grid_map, role_of(p), p), int(mod.weight.shape[-1]))]
+    costs = [dist.option_cost(tuple(mods[p].weight.shape), method, clip, o.keep16) for p, o in units]
+    return {(p, o.desc): r for (p, o), r in zip(units, dist.split_by_cost(costs))}
 
 
 def kl_importance(source: Any, m: Measurement, tokens: mx.array, grid_map: dict, clip: bool = True,

@@ -83,6 +83,49 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
         return Path(a).resolve() == Path(b).resolve()
 
 
+def guard_output_file(
+    path: str | os.PathLike, flag: str, *, inputs: Iterable[tuple[str, Any]] = (),
+    others: Iterable[tuple[str, Any]] = (), force: bool = False, kind: str = "", is_kind: Any = None,
+) -> None:
+    """Refuse an output file that would destroy something (ValueError saying why), before any work is done.
+
+    Never an input of the same command (``inputs``: ``(what, path)``) nor another output of it
+    (``others``: ``(flag, path)``); an existing file replaced only when ``is_kind(path)`` says it is
+    ``kind`` (what the command writes) or with ``force``; its folder must be writable.
+    """
+    for what, p in inputs:
+        if p is not None and same_file(path, p):
+            raise ValueError(f"{flag} {path} is the input {what}: refusing to overwrite it")
+    for other_flag, p in others:
+        if p is not None and same_file(path, p):
+            raise ValueError(f"{flag} and {other_flag} name the same file")
+    check_writable_file(path, flag)
+    if Path(path).exists() and not force and is_kind is not None and not is_kind(path):
+        raise ValueError(f"{path} exists and is not {kind}: refusing to overwrite it (pass --force)")
+
+
+def json_kind(path: str | os.PathLike) -> str:
+    """The form of a JSON file (see :func:`mlx_dq.formats.detect`), ``"unknown"`` when unreadable or not JSON."""
+    from .formats import detect
+
+    try:
+        return detect(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return "unknown"
+
+
+def csv_with_header(first: str) -> Any:
+    """A check that a file is a CSV whose first header field is ``first`` (one mlx-dq wrote)."""
+    def check(path: str | os.PathLike) -> bool:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return fh.readline().split(",")[0].strip() == first
+        except (OSError, ValueError):
+            return False
+
+    return check
+
+
 # --------------------------------------------------------------------------- output folders
 def _inside(a: Path, b: Path) -> bool:
     """Whether ``a`` is ``b`` or lies inside it (both resolved)."""

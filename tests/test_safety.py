@@ -443,3 +443,89 @@ def test_a_replaced_output_is_kept_until_the_new_one_is_in_place(tmp_path):
     assert clean_leftovers(tmp_path) == [] and old.exists()  # killed between the renames: the only copy
     (tmp_path / "model").mkdir()
     assert clean_leftovers(tmp_path) == [old] and not old.exists()
+
+
+# --------------------------------------------------------------------------- every named output file
+def _foreign(tmp_path: Path) -> Path:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("important")
+    return notes
+
+
+def test_import_plan_never_overwrites_its_input_or_a_foreign_file(work, tmp_path):
+    plan = _plan_file(work["llama"], tmp_path / "plan.json")
+    kept = tmp_path / "kept.json"
+    assert cli("export", plan, "--to", "mlx-kept16", "-o", kept).exit_code == 0
+    before = kept.read_bytes()
+    assert_clean_error(cli("import-plan", kept, "--model", work["llama"], "-o", kept), "input")
+    assert kept.read_bytes() == before
+    notes = _foreign(tmp_path)
+    assert_clean_error(cli("import-plan", kept, "--model", work["llama"], "-o", notes), "not a plan", "--force")
+    assert notes.read_text() == "important"
+    assert cli("import-plan", kept, "--model", work["llama"], "-o", notes, "--force").exit_code == 0
+    out = tmp_path / "imported.json"
+    assert cli("import-plan", kept, "--model", work["llama"], "-o", out).exit_code == 0
+    assert cli("import-plan", kept, "--model", work["llama"], "-o", out).exit_code == 0  # an earlier plan
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_export_never_overwrites_its_input_or_a_foreign_file(work, tmp_path):
+    plan = _plan_file(work["llama"], tmp_path / "plan.json")
+    before = plan.read_bytes()
+    assert_clean_error(cli("export", plan, "--to", "dynquant", "-o", plan), "input")
+    assert plan.read_bytes() == before
+    notes = _foreign(tmp_path)
+    assert_clean_error(cli("export", plan, "--to", "dynquant", "-o", notes), "--force")
+    assert notes.read_text() == "important"
+    other = _plan_file(work["llama"], tmp_path / "other-plan.json")  # a plan is not what export writes
+    assert_clean_error(cli("export", plan, "--to", "mlx-kept16", "-o", other), "--force")
+    assert cli("export", plan, "--to", "dynquant", "-o", notes, "--force").exit_code == 0
+    out = tmp_path / "dq.json"
+    assert cli("export", plan, "--to", "dynquant", "-o", out).exit_code == 0
+    assert cli("export", plan, "--to", "mlx-kept16", "-o", out).exit_code == 0  # an earlier export is replaced
+    from mlx_dq.formats.dashq import RECORD_SCHEMA
+
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"schema": RECORD_SCHEMA, "method": "mlx_dq"}))
+    assert cli("export", plan, "--to", "dynquant", "-o", record).exit_code == 0  # a record is an export too
+
+
+def test_optimize_side_outputs_never_overwrite_an_input_or_a_foreign_file(work, tmp_path):
+    m = tmp_path / "m.json"
+    shutil.copy(work["m_llama"], m)
+    before = m.read_bytes()
+    p = tmp_path / "p.json"
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--exl2-report", m), "input")
+    assert m.read_bytes() == before
+    notes = _foreign(tmp_path)
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--mlx-config", notes), "--force")
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--exl2-report", notes), "--force")
+    assert notes.read_text() == "important"
+    assert not p.exists()
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--exl2-report", p), "same file")
+    cfg = tmp_path / "cfg.json"
+    assert cli("optimize", m, "--bpw", "4", "-o", p, "--mlx-config", cfg).exit_code == 0
+    assert cli("optimize", m, "--bpw", "3", "-o", p, "--mlx-config", cfg).exit_code == 0  # earlier config replaced
+    assert cli("optimize", m, "--bpw", "4", "-o", p, "--mlx-config", notes, "--force").exit_code == 0
+
+
+def test_measure_never_overwrites_its_inputs_or_a_foreign_file(work, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    before = text.read_bytes()
+    base = ["measure", "--model", work["llama"], "--grid", work["grid"], "--calib", text, *CALIB, "--no-kl-scale"]
+    assert_clean_error(cli(*base, "-o", text, "--no-resume"), "input")
+    assert text.read_bytes() == before
+    grid_before = work["grid"].read_bytes()
+    assert_clean_error(cli(*base, "-o", work["grid"], "--no-resume"), "input")
+    assert work["grid"].read_bytes() == grid_before
+    notes = _foreign(tmp_path)
+    assert_clean_error(cli(*base, "-o", notes, "--no-resume"), "not a measurement", "--force")
+    assert notes.read_text() == "important"
+    assert cli(*base, "-o", notes, "--no-resume", "--force").exit_code == 0
