@@ -1,10 +1,12 @@
 """Quality benchmark: mlx-dq against every mlx-lm quantization method, side by side, on the bundled model.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python benchmarks/quality.py [--model smollm2-135m] [--rows 8 --seq-len 256] [--only mlx-lm]
+        python benchmarks/quality.py [--model smollm2-135m|gemma3-270m] [--texts pydoc,shakespeare,dialog]
+            [--bpw 3.5,4] [--rows 8 --seq-len 256] [--only mlx-lm] [--select REGEX]
 
-Every variant is evaluated on the same evaluation rows (the default evaluation text, never the
-calibration text) against the float32 source model: mean KL divergence of the next-token
+Every variant is built once and evaluated on the same rows of each evaluation text (named texts of
+different kinds, see ``mlx_dq.calib.EVAL_TEXTS``, or files; never the calibration text) against the
+float32 source model: mean KL divergence of the next-token
 distributions, top-1 agreement, perplexity, bits per weight and stored size. Bits per weight
 follow one rule for every method (:func:`mlx_dq.evaluate.weight_storage`): packed codes plus 16
 bits per scale and per bias, 16 bits per unquantized element, over the weights of every Linear
@@ -12,10 +14,11 @@ and Embedding (norms and layer biases excluded; a tied head counts once). On the
 is evaluated through dequantized float32 weights.
 
 Rows: mlx-lm uniform quantization at every bits x group pair, mlx-lm's mixed_3_4 / mixed_3_6 /
-mixed_4_6 recipes, mlx-lm's dynamic_quant (its sensitivity estimate and threshold search, run on
+mixed_4_6 recipes, mlx-lm's calibrated GPTQ and AWQ at 4 bits (their defaults, and with the embedding
+at 4-bit g64 too) on mlx-dq's calibration text, mlx-lm's dynamic_quant (its sensitivity estimate and threshold search, run on
 our calibration rows), and mlx-dq (measure -> optimize -> convert) at several bpw targets, with
 mixed-proportion tensors allowed and with ``--mlx-lm-compatible``. Writes quality.csv, quality.md
-and quality.png into ``--out``; the mlx-dq measurement and dynamic_quant sensitivities are cached
+and quality.png into ``--out``, one table and one goal check per text; the mlx-dq measurement and dynamic_quant sensitivities are cached
 in ``--out/cache`` (not committed). ``--resume`` keeps rows already in the CSV for the same
 evaluation settings.
 """
@@ -61,8 +64,12 @@ BUNDLED_NOTES = [
     "SmolLM2 ties the head to the embedding: mlx-lm's mixed_* recipes give lm_head the high width, "
     "but a tied model has no lm_head, so its embedding/head takes the low width.",
 ]
-FIELDS = ["family", "method", "bpw", "kl", "kl_max", "top1", "perplexity", "size_mb", "build_s", "eval_s", "notes",
+FIELDS = ["text", "family", "method", "bpw", "kl", "kl_max", "top1", "perplexity", "size_mb", "build_s", "eval_s", "notes",
           "measure_s", "version"]
+DEFAULT_TEXTS = ("pydoc", "shakespeare", "dialog")
+# the issue's goals, per text: (mlx-dq target, mlx-lm rows it must match or beat, what they are)
+GOALS = ((3.5, ("mlx-lm 4-bit g64",), "mlx-lm 4-bit g64 (4.5 bpw)"),
+         (4.0, ("mlx-lm GPTQ", "mlx-lm AWQ"), "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ)"))
 RTN_TARGETS = (3.0, 4.0)  # mlx-dq without error compensation (measured with rounding, converted with rounding + clip)
 
 
@@ -101,19 +108,33 @@ def _tag(spec: str) -> str:
 
 
 def _settings_key(args: dict) -> str:
-    keys = ("model", "rows", "seq_len", "seed", "text_digest")
+    keys = ("model", "rows", "seq_len", "seed")
     return json.dumps({k: args[k] for k in keys}, sort_keys=True)
 
 
-def _read_existing(csv_path: Path, key: str, current_only: bool = True) -> dict[str, dict]:
-    """Rows of an earlier run with the same evaluation settings; ``current_only``: built by the code here now."""
+def _row_key(r: dict) -> tuple[str, str]:
+    return r.get("text") or "", r["method"]
+
+
+def _read_existing(csv_path: Path, key: str, current_only: bool = True,
+                   digests: dict[str, str] | None = None) -> dict[tuple[str, str], dict]:
+    """Rows of an earlier run with the same evaluation settings, keyed (text, method).
+
+    ``current_only``: built by the code here now; ``digests``: only rows of texts whose content
+    (name -> text digest, recorded beside the CSV) is still the same.
+    """
     meta = csv_path.with_suffix(".settings.json")
-    if not csv_path.exists() or not meta.exists() or meta.read_text() != key:
+    if not csv_path.exists() or not meta.exists():
+        return {}
+    saved = json.loads(meta.read_text())
+    old_digests = saved.pop("texts", {})
+    if json.dumps(saved, sort_keys=True) != key:
         return {}
     with csv_path.open() as f:
         rows = list(csv.DictReader(f))
-    return {r["method"]: r for r in rows
-            if not current_only or r["family"] == "source" or r.get("version") == code_version(r["family"])}
+    return {_row_key(r): r for r in rows
+            if (not current_only or r["family"] == "source" or r.get("version") == code_version(r["family"]))
+            and (digests is None or (r.get("text") in digests and old_digests.get(r["text"]) == digests[r["text"]]))}
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -144,6 +165,8 @@ def goal_check(rows: list[dict]) -> list[str]:
     low = min(float(r["bpw"]) for f in families for r in dq[f])
     lm = sorted((r for r in rows if r["family"].startswith("mlx-lm") and low - 0.01 <= float(r["bpw"]) <= top + 0.01),
                 key=lambda r: float(r["bpw"]))
+    if not lm:
+        return []
     head = "| mlx-lm | bpw | KL | " + " | ".join(f"{f} (bpw, KL, ratio)" for f in families) + " |"
     out = ["", "Goal check: every mlx-lm row inside mlx-dq's bpw range against the mlx-dq row with the most bits "
            "not above it (ratio = mlx-dq KL / mlx-lm KL; below 1 means mlx-dq wins with no more bits).", "",
@@ -184,94 +207,160 @@ def compensation_check(rows: list[dict]) -> list[str]:
     return out
 
 
+def goal_status(rows: list[dict]) -> list[dict]:
+    """The issue's goals on one text's rows: for each mlx-dq family, its KL at the goal target against the mlx-lm rows.
+
+    Returns one dict per (goal, family) with the figures and ``met`` (None when a row is missing).
+    """
+    out = []
+    for target, prefixes, label in GOALS:
+        lm = [r for r in rows if any(r["method"] == p or r["method"].startswith(p + " ") for p in prefixes)]
+        best = min(lm, key=lambda r: float(r["kl"])) if lm else None
+        present = [f for f in ("mlx-dq", "mlx-dq --mlx-lm-compatible") if any(r["family"] == f for r in rows)]
+        for fam in present or ["mlx-dq"]:
+            dq = next((r for r in rows if r["family"] == fam and r["method"] == f"{fam} @{target:g}"), None)
+            met = None if dq is None or best is None else float(dq["kl"]) <= float(best["kl"])
+            out.append({"target": target, "family": fam, "label": label, "dq": dq, "lm": best, "met": met})
+    return out
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """Markdown lines: the issue's goals on one text (mlx-dq at 3.5 vs mlx-lm 4-bit g64; at 4.0 vs GPTQ/AWQ)."""
+    lines = ["", "Goals: mlx-dq at 3.5 bpw has KL <= mlx-lm 4-bit g64 (4.5 bpw); mlx-dq at 4.0 bpw has KL <= "
+             "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ).", "",
+             "| goal | mlx-dq row | bpw | KL | mlx-lm row | bpw | KL | ratio | met |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
+    for g in goal_status(rows):
+        dq, lm = g["dq"], g["lm"]
+        ratio = f"{float(dq['kl']) / float(lm['kl']):.2f}" if dq and lm else ""
+        met = {True: "yes", False: "**no**", None: "not run"}[g["met"]]
+        lines.append(f"| {g['target']:g} bpw vs {g['label']} | {dq['method'] if dq else g['family'] + ' (no row)'} | "
+                     f"{_fmt(dq or {}, 'bpw', '.3f')} | {_fmt(dq or {}, 'kl', '.5f')} | {lm['method'] if lm else ''} | "
+                     f"{_fmt(lm or {}, 'bpw', '.3f')} | {_fmt(lm or {}, 'kl', '.5f')} | {ratio} | {met} |")
+    return lines
+
+
+def worst_text(rows: list[dict]) -> str | None:
+    """The text on which mlx-dq does worst against its goals (highest mlx-dq / mlx-lm KL ratio of any goal), if any."""
+    ratios = {}
+    for text in {r.get("text", "") for r in rows}:
+        for g in goal_status([r for r in rows if r.get("text", "") == text]):
+            if g["family"] == "mlx-dq" and g["dq"] and g["lm"]:
+                ratios[text] = max(ratios.get(text, 0.0), float(g["dq"]["kl"]) / float(g["lm"]["kl"]))
+    return max(ratios, key=ratios.get) if ratios else None
+
+
 def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
-    """The results as a markdown table sorted by bits per weight, with the settings and caveats."""
+    """The results as one markdown table per evaluation text, sorted by bits per weight, each with its goal check."""
+    texts = info["texts"]
     lines = [
         f"# Quality: mlx-dq vs mlx-lm on {info['model']}",
         "",
-        f"Evaluation: {info['rows']} rows x {info['seq_len']} tokens of the default evaluation text "
-        f"(CPython's pydoc topics, digest {info['text_digest']}, seed {info['seed']}), "
-        f"{info['tokens']} predicted tokens; never the calibration text. KL = mean KL(source || quantized) "
+        *([f"**{info['label']}**", ""] if info.get("label") else []),
+        f"Evaluation: {info['rows']} rows x {info['seq_len']} tokens of each evaluation text (seed {info['seed']}), "
+        f"{info['tokens']} predicted tokens per text; never the calibration text. KL = mean KL(source || quantized) "
         "of the next-token distribution over every position, in nats; top-1 = how often both pick the same "
-        "next token. All models " + evaluate.CPU_NOTE + ".",
+        "next token. All models " + evaluate.CPU_NOTE + ". Every model is built once and scored on each text.",
+        "",
+        "Texts: " + "; ".join(f"{texts[n]['label']} [digest {texts[n]['digest']}]" for n in texts) + ".",
         "",
         "bpw = stored bits of every Linear/Embedding weight (codes + 16-bit scale and bias per group, 16 bits "
         "per unquantized element; norms excluded; the tied embedding/head counted once) / weights, "
         "the same rule for every method. size = those bits plus norms at 16 bits.",
-        "",
-        "| family | method | bpw | KL | top-1 | ppl | size MB |",
-        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for r in sorted(rows, key=lambda r: (float(r["bpw"]), r["family"], r["method"])):
-        lines.append(
-            f"| {r['family']} | {r['method']} | {_fmt(r, 'bpw', '.3f')} | {_fmt(r, 'kl', '.5f')} | "
-            f"{_fmt(r, 'top1', '.4f')} | {_fmt(r, 'perplexity', '.3f')} | {_fmt(r, 'size_mb', '.1f')} |"
-        )
-    lines += goal_check(rows)
-    lines += compensation_check(rows)
+    worst = worst_text(rows)
+    if worst:
+        lines += ["", f"Worst text for mlx-dq (highest mlx-dq / mlx-lm KL ratio over the goals): `{worst}`."]
+    for name in texts:
+        part = [r for r in rows if r.get("text", "") == name]
+        if not part:
+            continue
+        lines += ["", f"## Text: {name}", "", "| family | method | bpw | KL | top-1 | ppl | size MB |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(part, key=lambda r: (float(r["bpw"]), r["family"], r["method"])):
+            lines.append(
+                f"| {r['family']} | {r['method']} | {_fmt(r, 'bpw', '.3f')} | {_fmt(r, 'kl', '.5f')} | "
+                f"{_fmt(r, 'top1', '.4f')} | {_fmt(r, 'perplexity', '.3f')} | {_fmt(r, 'size_mb', '.1f')} |"
+            )
+        lines += goal_lines(part)
+        lines += goal_check(part)
+        lines += compensation_check(part)
     lines += ["", "Notes:", ""]
     lines += [f"- {n}" for n in info["notes"]]
-    compute = sum(float(r.get("build_s") or 0) + float(r.get("eval_s") or 0) for r in rows) / 60
+    builds = {r["method"]: float(r.get("build_s") or 0) for r in rows}  # each model is built once for all texts
+    compute = (sum(builds.values()) + sum(float(r.get("eval_s") or 0) for r in rows)) / 60
     lines += ["", f"Command: `{info['command']}` (this run {info['wall_min']:.1f} min; building and evaluating "
               f"all rows took {compute:.0f} min on {info['machine']}, shared with other jobs)", ""]
     path.write_text("\n".join(lines))
 
 
-def write_plot(path: Path, rows: list[dict], base_ppl: float, title: str) -> None:
-    """KL divergence (log scale) and perplexity against bits per weight, mlx-lm methods vs mlx-dq."""
+def write_plot(path: Path, rows: list[dict], texts: list[str], title: str) -> None:
+    """KL divergence (log scale) against bits per weight, mlx-lm methods vs mlx-dq, one panel per evaluation text."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_kl, ax_ppl) = plt.subplots(1, 2, figsize=(13, 5.2))
-    styles: dict[str, tuple[str, str, str]] = {}
-    series: dict[str, list[tuple[float, float, float]]] = {}
-    for r in rows:
-        if r["family"] == "source":
-            continue
-        fam = r["family"]
-        if fam == "mlx-lm uniform":
-            fam = f"mlx-lm uniform g{r['method'].rsplit('g', 1)[1]}"
-        series.setdefault(fam, []).append((float(r["bpw"]), float(r["kl"]), float(r["perplexity"])))
+    texts = [t for t in texts if any(r.get("text", "") == t for r in rows)] or [""]
+    fig, axes = plt.subplots(1, len(texts), figsize=(6.5 * len(texts), 5.2), squeeze=False)
     palette = {
         "mlx-lm uniform g32": ("tab:blue", "o", "--"),
         "mlx-lm uniform g64": ("tab:cyan", "o", "--"),
         "mlx-lm uniform g128": ("tab:gray", "o", "--"),
         "mlx-lm mixed": ("tab:purple", "s", ""),
         "mlx-lm dynamic_quant": ("tab:orange", "D", ""),
+        "mlx-lm GPTQ": ("tab:olive", "v", ""),
+        "mlx-lm AWQ": ("tab:pink", "^", ""),
         "mlx-dq": ("tab:red", "*", "-"),
         "mlx-dq --mlx-lm-compatible": ("tab:green", "P", "-"),
         "mlx-dq (no compensation)": ("tab:brown", "x", ":"),
     }
-    for fam, pts in sorted(series.items()):
-        pts.sort()
-        color, marker, ls = palette.get(fam, styles.get(fam, ("black", "x", "")))
-        xs = [p[0] for p in pts]
-        for ax, col in ((ax_kl, 1), (ax_ppl, 2)):
-            ys = [p[col] for p in pts]
-            ax.plot(xs, ys, marker=marker, linestyle=ls or "none", color=color, label=fam,
-                    markersize=9 if marker == "*" else 6)
-    ax_kl.set_yscale("log")
-    ax_kl.set_ylabel("KL divergence to the source (nats, log scale)")
-    ax_ppl.axhline(base_ppl, color="black", linewidth=0.8, linestyle=":", label="source")
-    ax_ppl.set_yscale("log")
-    ax_ppl.set_ylabel("perplexity (log scale)")
-    for ax in (ax_kl, ax_ppl):
+    for ax, text in zip(axes[0], texts):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            if r["family"] == "source" or r.get("text", "") != text:
+                continue
+            fam = r["family"]
+            if fam == "mlx-lm uniform":
+                fam = f"mlx-lm uniform g{r['method'].rsplit('g', 1)[1]}"
+            series.setdefault(fam, []).append((float(r["bpw"]), float(r["kl"])))
+        for fam, pts in sorted(series.items()):
+            pts.sort()
+            color, marker, ls = palette.get(fam, ("black", "x", ""))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle=ls or "none", color=color,
+                    label=fam, markersize=9 if marker == "*" else 6)
+        ax.set_yscale("log")
+        ax.set_title(f"text: {text}" if text else "")
         ax.set_xlabel("bits per weight (scales and biases counted)")
+        ax.set_ylabel("KL divergence to the source (nats, log scale)")
         ax.grid(True, which="both", alpha=0.3)
-    ax_ppl.legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache: Path, spec: str) -> Iterator[Variant]:
+def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache: Path, spec: str,
+                    calibrated_rows: mx.array | None = None) -> Iterator[Variant]:
     """Every mlx-lm method, built lazily one at a time from the float32 model.
 
     Ordered so that a run cut short still covers the range where methods compete (2-5 bits) first.
+    ``calibrated_rows``: the calibration rows for GPTQ and AWQ (None: ``calib_rows``).
     """
+    cal_rows = calib_rows if calibrated_rows is None else calibrated_rows
+    cal_note = f"calibrated on {cal_rows.shape[0]} x {cal_rows.shape[1]} tokens of mlx-dq's calibration text"
+
+    def calibrated() -> Iterator[Variant]:
+        d = baselines.GPTQ_DEFAULTS
+        yield Variant("mlx-lm GPTQ", f"mlx-lm GPTQ 4-bit g64, embedding {d['fallback_bits']}-bit g64 (its defaults)",
+                      lambda: (baselines.gptq(model, config, cal_rows)[0], None), cal_note)
+        yield Variant("mlx-lm GPTQ", "mlx-lm GPTQ 4-bit g64, embedding 4-bit g64",
+                      lambda: (baselines.gptq(model, config, cal_rows, fallback_bits=4)[0], None), cal_note)
+        a = baselines.AWQ_DEFAULTS
+        yield Variant("mlx-lm AWQ", f"mlx-lm AWQ 4-bit g64, embedding 4-bit g{a['embed_group_size']} (its defaults)",
+                      lambda: (baselines.awq(model, config, cal_rows)[0], None), cal_note)
+        yield Variant("mlx-lm AWQ", "mlx-lm AWQ 4-bit g64, embedding 4-bit g64",
+                      lambda: (baselines.awq(model, config, cal_rows, embed_group_size=64)[0], None), cal_note)
 
     def uniform(b: int) -> Iterator[Variant]:
         for g in baselines.GROUP_SIZES:
@@ -313,14 +402,15 @@ def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache:
             )
 
     (hi_levels, hi_targets), (lo_levels, lo_targets) = DYNAMIC_RUNS
-    for part in (uniform(2), uniform(3), uniform(4), mixed(), dynamic(hi_levels, hi_targets), uniform(5),
+    for part in (uniform(4), calibrated(), uniform(3), uniform(2), mixed(), dynamic(hi_levels, hi_targets), uniform(5),
                  dynamic(lo_levels, lo_targets), uniform(6), uniform(8)):
         yield from part
 
 
 def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: tuple[str, ...] = ("mixed", "compatible"),
                     rtn_targets: tuple[float, ...] = RTN_TARGETS, head_option: str | None = None,
-                    calib_rows: int | None = None, calib_seq: int | None = None) -> Iterator[Variant]:
+                    calib_rows: int | None = None, calib_seq: int | None = None,
+                    measure_method: str = "gptq", grid: str | None = None) -> Iterator[Variant]:
     """mlx-dq at each target as a user gets it: ``measure`` -> ``optimize`` -> ``quantize_model``, library defaults.
 
     Mixed-proportion and ``--mlx-lm-compatible`` plans with error compensation (GPTQ, the default), then
@@ -339,10 +429,11 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         if method not in state:
             rows = calib_rows or meas.DEFAULT_ROWS
             seq = calib_seq or meas.DEFAULT_SEQ_LEN
-            path = cache / f"{_tag(spec)}.measurement.{method}.r{rows}x{seq}.json"
+            g = f".{_tag(grid)}" if grid else ""
+            path = cache / f"{_tag(spec)}.measurement.{method}{g}.r{rows}x{seq}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
-            kw = dict(rows=rows, seq_len=seq, method=method, out_path=path, progress=True)
+            kw = dict(rows=rows, seq_len=seq, method=method, out_path=path, progress=True, grid=grid)
             try:
                 state[method] = meas.measure(spec, **kw)
             except ValueError as e:  # a cached file from other settings or another version: measure afresh
@@ -354,15 +445,16 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         return state[method]
 
     def build(target: float, compatible: bool, method: str) -> tuple[nn.Module, dict]:
-        first = method not in state
-        m = measurement(method)
+        mm = measure_method if method == "gptq" else "rtn"
+        first = mm not in state
+        m = measurement(mm)
         plan = optimize(m, target, mlx_lm_compatible=compatible, head_option=head_option)
         kw = {"method": method}
         if calib_rows:
             kw.update(rows=calib_rows, seq_len=calib_seq or conv.DEFAULT_SEQ_LEN)
         # measuring time is reported apart (from the file: also right when it came from the cache)
         extra = {"measure_s": m.extra.get("timing", {}).get("total_s") or 0.0,
-                 "spent_measuring_s": state[method + "_s"] if first else 0.0}
+                 "spent_measuring_s": state[mm + "_s"] if first else 0.0}
         return conv.quantize_model(spec, plan, **kw)[0], extra
 
     runs = [("gptq", False, t) for t in targets if "mixed" in modes] + [("rtn", False, t) for t in rtn_targets]
@@ -375,98 +467,143 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
                       f"target {t:g} bpw, {'GPTQ' if method == 'gptq' else 'rounding + clip'}")
 
 
+def _numbers(text: str, hint: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise click.BadParameter(f"not a list of numbers: {text!r}", param_hint=hint) from None
+
+
+def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
+    """``--texts``: comma-separated names (``calib.EVAL_TEXTS``) or files, to (texts, label) by name."""
+    out = {}
+    for n in (x.strip() for x in names.split(",")):
+        if not n:
+            continue
+        try:
+            texts, label = calib.resolve_eval_texts(n)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--texts") from None
+        out[n if n in calib.EVAL_TEXTS else _tag(n)] = (texts, label)
+    if not out:
+        raise click.BadParameter("no evaluation text given", param_hint="--texts")
+    return out
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--model", "spec", default=DEFAULT_MODEL, show_default=True, help="Model spec (sources.resolve).")
-@click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Evaluation rows.")
-@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
+@click.option("--model", "spec", default=DEFAULT_MODEL, show_default=True,
+              help="Model spec (sources.resolve): smollm2-135m, gemma3-270m, a .gguf file or an HF folder.")
+@click.option("--texts", "text_names", default=",".join(DEFAULT_TEXTS), show_default=True,
+              help="Evaluation texts, comma separated: names (" + ", ".join(calib.EVAL_TEXTS) + ") or .txt/.jsonl files.")
+@click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Evaluation rows per text.")
+@click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=3), help="Tokens per row.")
 @click.option("--batch-size", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--calib-rows", default=8, show_default=True, type=click.IntRange(min=1),
               help="Calibration rows for mlx-lm's dynamic_quant sensitivities.")
-@click.option("--calib-seq-len", default=256, show_default=True, type=click.IntRange(min=2))
-@click.option("--targets", default=",".join(f"{t:g}" for t in MLX_DQ_TARGETS), show_default=True,
+@click.option("--calib-seq-len", default=256, show_default=True, type=click.IntRange(min=3))
+@click.option("--lm-calib-rows", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Calibration rows for mlx-lm's GPTQ and AWQ (mlx-dq's converter uses 32 x 512).")
+@click.option("--lm-calib-seq-len", default=512, show_default=True, type=click.IntRange(min=3))
+@click.option("--bpw", "--targets", "targets", default=",".join(f"{t:g}" for t in MLX_DQ_TARGETS), show_default=True,
               help="mlx-dq bpw targets, comma separated.")
 @click.option("--dq-calib-rows", default=None, type=click.IntRange(min=1),
               help="Calibration rows for the mlx-dq measurement and quantization [default: mlx-dq's own defaults].")
-@click.option("--dq-calib-seq-len", default=None, type=click.IntRange(min=2))
+@click.option("--dq-calib-seq-len", default=None, type=click.IntRange(min=3))
+@click.option("--dq-measure-method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+              help="How mlx-dq's compensated rows are measured (rtn: much faster); they are converted with GPTQ.")
+@click.option("--dq-grid", default=None, help="mlx-dq option grid to measure: a built-in name (default, fast) or a file.")
 @click.option("--rtn-targets", default=",".join(f"{t:g}" for t in RTN_TARGETS), show_default=True,
               help="bpw targets for mlx-dq without error compensation (rounding + clip), comma separated; '' for none.")
 @click.option("--dq-modes", default="mixed,compatible", show_default=True,
               help="mlx-dq plans to run: mixed (mixed-proportion options allowed), compatible (--mlx-lm-compatible).")
 @click.option("--head-option", default="budget", show_default=True,
               help="mlx-dq embedding/head option, or 'budget' to let the optimizer choose it inside the target.")
+@click.option("--select", default=None,
+              help="Only build rows whose method name matches this regular expression (e.g. '4-bit g64|GPTQ|AWQ|mlx-dq').")
 @click.option("--only", type=click.Choice(["all", "mlx-lm", "mlx-dq", "report"]), default="all", show_default=True,
               help="Which rows to build; 'report' only rewrites the outputs from earlier (and --merge) results.")
+@click.option("--label", default=None, help="A line printed at the top of quality.md (e.g. 'Partial result: ...').")
 @click.option("--resume/--no-resume", default=True, show_default=True,
-              help="Keep rows already in the CSV for the same evaluation settings.")
+              help="Keep rows already in the CSV for the same evaluation settings and texts.")
 @click.option("--merge", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Also take rows from another run's quality.csv (same evaluation settings); repeatable.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True)
-def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_rows: int, calib_seq_len: int,
-         targets: str, dq_calib_rows: int | None, dq_calib_seq_len: int | None, rtn_targets: str, dq_modes: str,
-         head_option: str, only: str, resume: bool,
+def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_rows: int,
+         calib_seq_len: int, lm_calib_rows: int, lm_calib_seq_len: int, targets: str, dq_calib_rows: int | None,
+         dq_calib_seq_len: int | None, dq_measure_method: str, dq_grid: str | None, rtn_targets: str, dq_modes: str,
+         head_option: str, select: str | None, only: str, label: str | None, resume: bool,
          merge: tuple[str, ...], out_dir: Path) -> None:
-    """Build and evaluate every mlx-lm method and mlx-dq on the same evaluation rows; write CSV, markdown, PNG."""
+    """Build every mlx-lm method and mlx-dq once, evaluate each on the same rows of every text; write CSV, markdown, PNG."""
     t_start = time.perf_counter()
-    try:
-        dq_targets = tuple(float(t) for t in targets.split(",") if t.strip())
-        rtn = tuple(float(t) for t in rtn_targets.split(",") if t.strip())
-    except ValueError:
-        raise click.BadParameter(f"not a list of numbers: {targets!r} / {rtn_targets!r}",
-                                 param_hint="--targets / --rtn-targets") from None
+    dq_targets = _numbers(targets, "--bpw")
+    rtn = _numbers(rtn_targets, "--rtn-targets")
     bad = [m for m in dq_modes.split(",") if m.strip() not in ("mixed", "compatible")]
     if bad:
         raise click.BadParameter(f"unknown mode(s) {bad}: use mixed and/or compatible", param_hint="--dq-modes")
+    try:
+        pick = re.compile(select) if select else None
+    except re.error as e:
+        raise click.BadParameter(f"not a regular expression: {e}", param_hint="--select") from None
+    eval_sets = _eval_texts(text_names)
+    digests = {n: calib.text_digest(t) for n, (t, _) in eval_sets.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = out_dir / "cache"
-    texts = calib.default_eval_texts()
-    info = {"model": spec, "rows": rows, "seq_len": seq_len, "seed": seed, "text_digest": calib.text_digest(texts)}
+    info = {"model": spec, "rows": rows, "seq_len": seq_len, "seed": seed}
     key = _settings_key(info)
     csv_path = out_dir / "quality.csv"
     code_version("mlx-dq"), code_version("mlx-lm")  # noqa: B018 - fix the versions of this run now
-    done = _read_existing(csv_path, key, only != "report") if resume else {}
+    done = _read_existing(csv_path, key, only != "report", digests) if resume else {}
     for other in merge:
-        extra = _read_existing(Path(other), key, only != "report")
+        extra = _read_existing(Path(other), key, only != "report", digests)
         if not extra:
             raise click.BadParameter(f"{other} holds no results for these evaluation settings", param_hint="--merge")
         done.update({k: v for k, v in extra.items() if k not in done})
     results: list[dict] = list(done.values())
-    if only == "report" and "source (float32)" not in done:
+    if only == "report" and not any(m == "source (float32)" for _, m in done):
         raise click.ClickException(f"--only report needs earlier results in {csv_path} (or --merge)")
+    eval_rows: dict[str, mx.array] = {}
     if only != "report":
         model, tokenizer, config = load_model(spec, dtype=mx.float32)
-        eval_rows = calib.sample_rows(tokenizer, texts, rows, seq_len, seed)
-        c_rows = calib.sample_rows(tokenizer, calib.default_calibration_texts(), calib_rows, calib_seq_len, seed)
-    ref_state: dict = {}
+        eval_rows = {n: calib.sample_rows(tokenizer, t, rows, seq_len, seed) for n, (t, _) in eval_sets.items()}
+        cal_texts = calib.default_calibration_texts()
+        c_rows = calib.sample_rows(tokenizer, cal_texts, calib_rows, calib_seq_len, seed)
+        lm_rows = calib.sample_rows(tokenizer, cal_texts, lm_calib_rows, lm_calib_seq_len, seed)
+    refs: dict[str, evaluate.Reference] = {}
 
-    def ref() -> evaluate.Reference:
-        if "ref" not in ref_state:
-            print(f"reference: {spec} in float32 on {rows} x {seq_len} evaluation tokens", flush=True)
-            ref_state["ref"] = evaluate.reference(model, eval_rows, batch_size)
-        return ref_state["ref"]
+    def ref(name: str) -> evaluate.Reference:
+        if name not in refs:
+            print(f"reference: {spec} in float32 on {rows} x {seq_len} tokens of {name}", flush=True)
+            refs[name] = evaluate.reference(model, eval_rows[name], batch_size)
+        return refs[name]
 
-    if "source (float32)" in done:
-        src_ppl = float(done["source (float32)"]["perplexity"])
-    else:
-        src_ppl = ref().perplexity
-        results.append({"family": "source", "method": "source (float32)", "bpw": 16.0, "kl": 0.0, "kl_max": 0.0,
-                        "top1": 1.0, "perplexity": src_ppl,
-                        "size_mb": evaluate.stored_bytes(model) / 1e6, "build_s": 0.0,
-                        "eval_s": ref().seconds, "notes": "dequantized Q4_1 GGUF, counted as 16-bit"})
-    (csv_path.with_suffix(".settings.json")).write_text(key)
-    _write_csv(csv_path, results)
+    def save() -> None:
+        (csv_path.with_suffix(".settings.json")).write_text(json.dumps({**json.loads(key), "texts": digests},
+                                                                       sort_keys=True))
+        _write_csv(csv_path, results)
+
+    for name in eval_rows:
+        if (name, "source (float32)") not in done:
+            r = ref(name)
+            results.append({"text": name, "family": "source", "method": "source (float32)", "bpw": 16.0, "kl": 0.0,
+                            "kl_max": 0.0, "top1": 1.0, "perplexity": r.perplexity,
+                            "size_mb": evaluate.stored_bytes(model) / 1e6, "build_s": 0.0, "eval_s": r.seconds,
+                            "notes": "dequantized GGUF, counted as 16-bit" if spec.endswith((".gguf", "-135m", "-270m"))
+                            else "float32 source, counted as 16-bit"})
+    save()
 
     variants: list[Iterator[Variant]] = []
     if only in ("all", "mlx-lm"):
-        variants.append(mlx_lm_variants(model, config, c_rows, cache, spec))
+        variants.append(mlx_lm_variants(model, config, c_rows, cache, spec, lm_rows))
     if only in ("all", "mlx-dq"):
         variants.append(mlx_dq_variants(spec, dq_targets, cache,
                                         tuple(m.strip() for m in dq_modes.split(",") if m.strip()), rtn,
                                         None if head_option == "budget" else head_option,
-                                        dq_calib_rows, dq_calib_seq_len))
+                                        dq_calib_rows, dq_calib_seq_len, dq_measure_method, dq_grid))
     for group in variants:
         for v in group:
-            if v.name in done:
+            todo = [n for n in eval_rows if (n, v.name) not in done]
+            if not todo or (pick and not pick.search(v.name)):
                 continue
             t0 = time.perf_counter()
             try:
@@ -476,22 +613,31 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
                 continue
             t1 = time.perf_counter()
             extra = extra or {}
-            r = evaluate.evaluate_model(q, eval_rows, base=ref(), batch_size=batch_size)
-            row = {"family": v.family, "method": v.name, "bpw": r["bits_per_weight"], "kl": r["kl"],
-                   "kl_max": r["kl_max"], "top1": r["top1"], "perplexity": r["perplexity"],
-                   "size_mb": r["size_bytes"] / 1e6, "build_s": t1 - t0 - extra.get("spent_measuring_s", 0.0),
-                   "eval_s": time.perf_counter() - t1, "notes": v.notes,
-                   "measure_s": extra.get("measure_s", ""), "version": code_version(v.family)}
-            results.append(row)
-            _write_csv(csv_path, results)
-            print(f"{v.name:42s} bpw {row['bpw']:.3f}  KL {row['kl']:.5f}  top-1 {row['top1']:.4f}  "
-                  f"ppl {row['perplexity']:.3f}  build {row['build_s']:.0f}s eval {row['eval_s']:.0f}s",
-                  flush=True)
+            # counted before the model is dequantized for evaluation, once for every text
+            bits, weights = evaluate.weight_storage(q)
+            size = evaluate.stored_bytes(q)
+            if mx.default_device().type == mx.DeviceType.cpu:
+                q = evaluate.dequantize_model(q)
+            for name in todo:
+                t2 = time.perf_counter()
+                r = evaluate.evaluate_model(q, eval_rows[name], base=ref(name), batch_size=batch_size, dequantize=False)
+                row = {"text": name, "family": v.family, "method": v.name, "bpw": bits / weights, "kl": r["kl"],
+                       "kl_max": r["kl_max"], "top1": r["top1"], "perplexity": r["perplexity"],
+                       "size_mb": size / 1e6, "build_s": t1 - t0 - extra.get("spent_measuring_s", 0.0),
+                       "eval_s": time.perf_counter() - t2, "notes": v.notes,
+                       "measure_s": extra.get("measure_s", ""), "version": code_version(v.family)}
+                results.append(row)
+                save()
+                print(f"[{name}] {v.name:42s} bpw {row['bpw']:.3f}  KL {row['kl']:.5f}  top-1 {row['top1']:.4f}  "
+                      f"ppl {row['perplexity']:.3f}  build {row['build_s']:.0f}s eval {row['eval_s']:.0f}s",
+                      flush=True)
             del q
             gc.collect()
             mx.clear_cache()
 
     info.update(
+        texts={n: {"label": lab, "digest": digests[n]} for n, (_, lab) in eval_sets.items()},
+        label=label,
         tokens=rows * (seq_len - 1),
         command="python benchmarks/quality.py " + " ".join(sys.argv[1:]),
         wall_min=(time.perf_counter() - t_start) / 60,
@@ -500,19 +646,30 @@ def main(spec: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_r
             f"dynamic_quant: mlx-lm's estimate_sensitivities and estimate_threshold on our calibration text "
             f"({calib_rows} rows x {calib_seq_len} tokens, not its own download), levels and targets in the "
             "method name (4b64/5b64 @5.0 is its default).",
+            f"GPTQ and AWQ: mlx-lm's gptq_quantize and awq_quantize given {lm_calib_rows} rows x {lm_calib_seq_len} "
+            "tokens of mlx-dq's calibration text directly (their command lines download another text), run on a "
+            "float32 copy, scales and biases then stored in 16 bits. GPTQ's defaults put the embedding (here also "
+            "the tied head) at 6-bit g64; AWQ's at 4-bit g32.",
             "mlx-dq rows: measure -> optimize -> quantize with mlx-dq's defaults (the converter's streamed "
             "arithmetic, in memory; calibration "
             + (f"{dq_calib_rows} rows x {dq_calib_seq_len or 'default'} tokens"
                if dq_calib_rows else "16 x 512 tokens to measure, 32 x 512 to quantize")
-            + " of mlx-dq's calibration text); embedding/head: "
+            + " of mlx-dq's calibration text"
+            + (f"; measured with `--method {dq_measure_method}`" if dq_measure_method != "gptq" else "")
+            + (f" and `--grid {dq_grid}`" if dq_grid else "")
+            + ", converted with GPTQ); embedding/head: "
             f"{'chosen by the optimizer inside the target' if head_option == 'budget' else head_option}; "
             "`--mlx-lm-compatible` plans use whole-tensor options only; '(no compensation)' rows are measured "
             "with rounding (`measure --method rtn`) and quantized with rounding + clip search (`convert --method "
             "rtn`) instead of GPTQ.",
-        ],
+            "mlx-lm's DWQ (`mlx_lm.dwq`: distils scales and biases against the source's logits) is not a row: "
+            "its defaults are 2,048 samples x 1,025 tokens, batch 4, i.e. 512 forward+backward passes through a "
+            "quantized model, many hours on a CPU; a reduced run that fits about an hour here would distil on too "
+            "few tokens to stand for the method.",
+        ] + ([f"Only rows whose name matches `{select}` were built."] if select else []),
     )
     write_markdown(out_dir / "quality.md", results, info)
-    write_plot(out_dir / "quality.png", results, src_ppl, f"{spec}: mlx-dq vs mlx-lm quantization")
+    write_plot(out_dir / "quality.png", results, list(eval_sets), f"{spec}: mlx-dq vs mlx-lm quantization")
     print(f"wrote {csv_path}, quality.md, quality.png in {info['wall_min']:.1f} min", flush=True)
 
 

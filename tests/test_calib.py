@@ -202,3 +202,71 @@ def test_generated_calibration_file_matches_its_composer():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.compose() == (data / "calib_generated.txt").read_text(encoding="utf-8")
+
+
+# -- named evaluation texts --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(calib.EVAL_TEXTS))
+def test_named_eval_text_is_substantial(name):
+    texts = calib.eval_texts(name)
+    assert all(isinstance(t, str) and t.strip() for t in texts)
+    assert sum(len(t) for t in texts) > 100_000
+
+
+def test_named_eval_texts_are_different_kinds():
+    joined = {n: "\n".join(calib.eval_texts(n)) for n in calib.EVAL_TEXTS}
+    assert "First Citizen:" in joined["shakespeare"]
+    assert "\nB: " in joined["dialog"]
+    assert "The \"for\" statement" in joined["pydoc"]
+    digests = {calib.text_digest(calib.eval_texts(n)) for n in calib.EVAL_TEXTS}
+    assert len(digests) == len(calib.EVAL_TEXTS)
+
+
+@pytest.mark.parametrize("name", sorted(calib.EVAL_TEXTS))
+def test_calibration_and_named_eval_text_share_no_32_character_window(name):
+    cal = _windows("\n".join(calib.default_calibration_texts()), 32)
+    ev = set().union(*(_windows(t, 32) for t in calib.eval_texts(name)))
+    assert cal and ev
+    assert not cal & ev
+
+
+def test_overlapping_documents_are_dropped():
+    """A document quoting the calibration text is left out; the others stay, in order."""
+    cal = "\n".join(calib.default_calibration_texts())
+    clean = ["A: hello there, how was the harbour this morning?", "B: grey and still, the boats stayed in."]
+    leaked = "A: look at this: " + cal[2000:2100]
+    assert calib.drop_calibration_overlap([clean[0], leaked, clean[1]]) == clean
+
+
+def test_resolve_eval_texts_names_files_and_errors(tmp_path):
+    texts, label = calib.resolve_eval_texts(None)
+    assert texts == calib.default_eval_texts() and "pydoc" in label
+    texts, label = calib.resolve_eval_texts("dialog")
+    assert texts == calib.eval_texts("dialog") and "chatterbot" in label
+    f = tmp_path / "mine.txt"
+    f.write_text("some words of my own", encoding="utf-8")
+    assert calib.resolve_eval_texts(str(f)) == (["some words of my own"], str(f))
+    with pytest.raises(ValueError, match="unknown evaluation text 'poetry'.*pydoc, shakespeare, dialog"):
+        calib.resolve_eval_texts("poetry")
+    with pytest.raises(ValueError, match="does not exist"):
+        calib.resolve_eval_texts(str(tmp_path / "gone.txt"))
+
+
+class BosWordTokenizer(WordTokenizer):
+    """Like WordTokenizer, but puts token 999 first when asked for special tokens (as Gemma's does)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [int(w) if w.isdigit() else 7 for w in text.split()]
+        return ([999] if add_special_tokens else []) + ids
+
+
+def test_rows_start_with_the_start_token_when_the_tokenizer_adds_one():
+    assert calib.bos_token(WordTokenizer()) is None
+    assert calib.bos_token(BosWordTokenizer()) == 999
+    rows = np.array(calib.sample_rows(BosWordTokenizer(), [numbered_text(1000)], 6, 16, seed=3))
+    plain = np.array(calib.sample_rows(WordTokenizer(), [numbered_text(1000)], 6, 15, seed=3))
+    assert rows.shape == (6, 16)
+    assert (rows[:, 0] == 999).all() and 999 not in rows[:, 1:]
+    np.testing.assert_array_equal(rows[:, 1:], plain)  # the same text windows, one shorter
+    assert (np.diff(rows[:, 1:], axis=1) == 1).all()

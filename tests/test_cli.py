@@ -137,3 +137,18 @@ def test_perplexity_of_the_bundled_model(bundled_gguf):
     # a working 135M model on English documentation: far below the uniform 49152, above 1
     assert 2.0 < perplexity_in(result.stdout) < 60.0
 
+
+
+def test_perplexity_on_a_named_eval_text(tiny_llama):
+    args = ("perplexity", "--model", str(tiny_llama), "--rows", "2", "--seq-len", "24")
+    named, default = run(*args, "--text", "dialog"), run(*args)
+    assert named.exit_code == 0, named.output
+    assert "chatterbot-corpus" in named.stdout
+    assert perplexity_in(named.stdout) > 1.0
+    assert perplexity_in(named.stdout) != perplexity_in(default.stdout)
+
+
+def test_perplexity_rejects_an_unknown_text_name(tiny_llama):
+    result = run("perplexity", "--model", str(tiny_llama), "--text", "poetry")
+    assert result.exit_code == 2
+    assert "unknown evaluation text 'poetry'" in result.stderr

@@ -1,0 +1,116 @@
+"""benchmarks/quality.py: one model built once and scored on several texts, with the goal check per text."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quality():
+    spec = importlib.util.spec_from_file_location("quality_benchmark", ROOT / "benchmarks" / "quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def _row(text, family, method, bpw, kl):
+    return {"text": text, "family": family, "method": method, "bpw": str(bpw), "kl": str(kl)}
+
+
+def _rows(dq35: float, dq4: float, g64: float, gptq: float, awq: float, text: str = "t") -> list[dict]:
+    return [_row(text, "mlx-dq", "mlx-dq @3.5", 3.5, dq35), _row(text, "mlx-dq", "mlx-dq @4", 4.0, dq4),
+            _row(text, "mlx-lm uniform", "mlx-lm 4-bit g64", 4.5, g64),
+            _row(text, "mlx-lm uniform", "mlx-lm 4-bit g64x", 4.5, 0.001),  # another name: not the anchor
+            _row(text, "mlx-lm GPTQ", "mlx-lm GPTQ 4-bit g64, embedding 6-bit g64 (its defaults)", 4.9, gptq),
+            _row(text, "mlx-lm AWQ", "mlx-lm AWQ 4-bit g64, embedding 4-bit g32 (its defaults)", 4.7, awq)]
+
+
+def test_goal_status_compares_the_right_rows(quality):
+    status = {(g["target"], g["family"]): g for g in quality.goal_status(_rows(0.3, 0.2, 0.4, 0.25, 0.22))}
+    g35, g4 = status[(3.5, "mlx-dq")], status[(4.0, "mlx-dq")]
+    assert g35["met"] is True and g35["lm"]["method"] == "mlx-lm 4-bit g64"
+    assert g4["met"] is True and g4["lm"]["method"].startswith("mlx-lm AWQ")  # the better calibrated method
+    assert (3.5, "mlx-dq --mlx-lm-compatible") not in status  # a family that was not run at all
+    compat = _rows(0.3, 0.2, 0.4, 0.25, 0.22) + [_row("t", "mlx-dq --mlx-lm-compatible", "mlx-dq --mlx-lm-compatible @4",
+                                                      4.0, 0.3)]
+    status = {(g["target"], g["family"]): g for g in quality.goal_status(compat)}
+    assert status[(3.5, "mlx-dq --mlx-lm-compatible")]["met"] is None  # its 3.5 row is missing
+    assert status[(4.0, "mlx-dq --mlx-lm-compatible")]["met"] is False
+    missed = {(g["target"], g["family"]): g for g in quality.goal_status(_rows(0.5, 0.23, 0.4, 0.25, 0.22))}
+    assert missed[(3.5, "mlx-dq")]["met"] is False and missed[(4.0, "mlx-dq")]["met"] is False
+
+
+def test_worst_text_is_the_one_with_the_highest_ratio(quality):
+    rows = _rows(0.30, 0.2, 0.4, 0.25, 0.22, "a") + _rows(0.39, 0.2, 0.4, 0.25, 0.22, "b") \
+        + _rows(0.10, 0.2, 0.4, 0.25, 0.22, "c")
+    assert quality.worst_text(rows) == "b"
+    assert quality.worst_text(rows[:2]) is None
+
+
+def test_benchmark_scores_each_row_on_each_text(quality, tiny_llama, tmp_path):
+    out = tmp_path / "q"
+    args = ["--model", str(tiny_llama), "--texts", "pydoc,dialog", "--rows", "2", "--seq-len", "32",
+            "--batch-size", "2", "--calib-rows", "2", "--calib-seq-len", "32", "--lm-calib-rows", "4",
+            "--lm-calib-seq-len", "32", "--bpw", "4", "--rtn-targets", "", "--dq-modes", "mixed",
+            "--dq-calib-rows", "4", "--dq-calib-seq-len", "32", "--dq-measure-method", "rtn", "--dq-grid", "fast",
+            "--select", r"^mlx-lm 4-bit g64$|GPTQ .*its defaults|AWQ .*its defaults|^mlx-dq @4$",
+            "--label", "Partial result: test run", "--out", str(out)]
+    result = CliRunner().invoke(quality.main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    with (out / "quality.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    by = {(r["text"], r["method"]): r for r in rows}
+    methods = {r["method"] for r in rows}
+    assert len(methods) == 5, methods  # source + 4 selected rows, nothing else built
+    for text in ("pydoc", "dialog"):
+        for m in methods:
+            assert (text, m) in by
+        assert float(by[(text, "mlx-dq @4")]["bpw"]) <= 4.0 + 1e-9
+        assert float(by[(text, "mlx-lm 4-bit g64")]["bpw"]) == pytest.approx(4.5)
+        for m in methods - {"source (float32)"}:
+            assert math.isfinite(float(by[(text, m)]["kl"])) and float(by[(text, m)]["kl"]) > 0
+    # a model is built once: the same bpw on both texts, but scored differently on each
+    for m in methods:
+        assert by[("pydoc", m)]["bpw"] == by[("dialog", m)]["bpw"]
+    assert by[("pydoc", "mlx-lm 4-bit g64")]["kl"] != by[("dialog", "mlx-lm 4-bit g64")]["kl"]
+    md = (out / "quality.md").read_text()
+    assert "**Partial result: test run**" in md
+    assert "## Text: pydoc" in md and "## Text: dialog" in md
+    assert md.count("| 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ or AWQ) | mlx-dq @4 |") == 2
+    ratio = {t: float(by[(t, "mlx-dq @4")]["kl"]) / min(float(r["kl"]) for (tt, m), r in by.items()
+                                                      if tt == t and ("GPTQ" in m or "AWQ" in m))
+             for t in ("pydoc", "dialog")}
+    assert f"over the goals): `{max(ratio, key=ratio.get)}`" in md
+    assert (out / "quality.png").stat().st_size > 0
+    # resumed: nothing is rebuilt, the report is the same rows
+    again = CliRunner().invoke(quality.main, args, catch_exceptions=False)
+    assert again.exit_code == 0 and "[pydoc]" not in again.output
+
+
+def test_unknown_text_is_refused(quality, tmp_path):
+    result = CliRunner().invoke(quality.main, ["--texts", "poetry", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown evaluation text 'poetry'" in result.output
+
+
+def test_plots_read_one_text_of_a_multi_text_table(tmp_path):
+    from mlx_dq import plots
+
+    path = tmp_path / "q.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["text", "family", "method", "bpw", "kl"])
+        w.writeheader()
+        for text, kl in (("pydoc", 0.1), ("dialog", 0.3)):
+            w.writerow({"text": text, "family": "mlx-lm uniform", "method": "mlx-lm 4-bit g64", "bpw": 4.5, "kl": kl})
+    rows = plots.read_quality_table(path)
+    assert [(r["method"], r["kl"]) for r in rows] == [("mlx-lm 4-bit g64", 0.1)]
