@@ -280,7 +280,7 @@ def quantize_stream(
     With ``sequential`` each layer's output is recomputed with its quantized
     weights before it feeds the next layer.
     """
-    from .measure import _free, _layer_prefix, _load_into, head_logits, probe_layers
+    from .measure import _free, _layer_prefix, _load_into, head_logits, position_chunks, probe_layers
     from .sources import build_model
 
     net = build_model(source.config)
@@ -351,9 +351,10 @@ def quantize_stream(
 
     head_mods = {p: m for p, m in all_mods.items() if not p.startswith(prefix)}
     with GramCollector(head_mods) as col:
-        for sl in batches:
-            mx.eval(head_logits(net, tokens[sl], hidden[sl]))
-            col.flush()
+        for sl in batches:  # a chunk of positions at a time: logits never [calibration tokens, vocab]
+            for psl in position_chunks(int(tokens.shape[1])):
+                mx.eval(head_logits(net, tokens[sl, psl], hidden[sl, psl]))
+                col.flush()
     yield from run(head_mods, col.stats)
     done = {f"{p}.weight" for p in head_mods}
     yield {k: v for k, v in tree_flatten(net.parameters()) if not k.startswith(prefix) and k not in done}
