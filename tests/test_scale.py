@@ -188,3 +188,61 @@ def test_measure_records_sample_rows_in_its_settings(big_vocab, grid_file):
     assert sampled.tensors[up].options[0].err != plain.tensors[up].options[0].err
     with pytest.raises(ValueError, match="sample_rows"):
         _run(big_vocab["untied"], grid_file, sample_rows=-1)
+
+
+# -- --estimate ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_estimate_matches_a_real_run(big_vocab, grid_file, tmp_path, method):
+    """Work counts exactly, MLX memory and disk closely, time loosely (a shared machine)."""
+    import time
+
+    from mlx_dq.convert import convert
+    from mlx_dq.estimate import BASE_RSS, estimate_convert, estimate_measure
+    from mlx_dq.evaluate import folder_bytes
+    from mlx_dq.sources import resolve
+
+    folder = big_vocab["untied"]
+    src = resolve(str(folder))
+    est = estimate_measure(src, rows=4, seq_len=64, grid=str(grid_file), method=method)
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    m = measure(str(folder), grid=str(grid_file), rows=4, seq_len=64, method=method, progress=False,
+                out_path=tmp_path / "m.json")
+    took = time.perf_counter() - t
+    assert est.measurements == sum(len(t.options) for t in m.tensors.values())
+    mem = mx.get_peak_memory()
+    assert 0.5 * mem < est.peak_bytes - BASE_RSS < 2.0 * mem, (est.peak_bytes - BASE_RSS, mem)
+    assert took / 4 < est.seconds < took * 4, (est.seconds, took)
+    conv, meas = estimate_convert(src, bpw=3.5, rows=4, seq_len=64, method=method, measure_first=False,
+                                  measurement_bytes=(tmp_path / "m.json").stat().st_size, flops=est.flops)
+    assert meas is None
+    mx.reset_peak_memory()
+    convert(str(folder), tmp_path / "q", bpw=3.5, measurement=tmp_path / "m.json", rows=4, seq_len=64, method=method,
+            progress=False)
+    mem = mx.get_peak_memory()
+    assert 0.5 * mem < conv.peak_bytes - BASE_RSS < 2.0 * mem, (conv.peak_bytes - BASE_RSS, mem)
+    disk = folder_bytes(tmp_path / "q")
+    assert 0.8 * disk < conv.disk_bytes < 1.25 * disk, (conv.disk_bytes, disk)
+    weights = sum(f.stat().st_size for f in (tmp_path / "q").glob("*.safetensors"))
+    assert conv.detail["quantized_params"] * 3.5 / 8 <= weights < conv.detail["quantized_params"] * 3.6 / 8
+
+
+def test_estimate_cli_prints_and_does_no_work(big_vocab, tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_dq.cli import main
+
+    r = CliRunner().invoke(main, ["convert", "--model", str(big_vocab["untied"]), "--bpw", "3.5", "-o",
+                                  str(tmp_path / "q"), "--estimate", "--flops", "1e10"])
+    assert r.exit_code == 0, r.output
+    assert "measure:" in r.output and "convert (quantize stage)" in r.output and "total: about" in r.output
+    assert "10.0 GFLOP/s" in r.output and not (tmp_path / "q").exists()
+    r = CliRunner().invoke(main, ["measure", "--model", str(big_vocab["untied"]), "-o", str(tmp_path / "m.json"),
+                                  "--estimate", "--method", "rtn"])
+    assert r.exit_code == 0, r.output
+    assert "(tensor, option) errors" in r.output and not (tmp_path / "m.json").exists()
+    r = CliRunner().invoke(main, ["measure", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "m.json"),
+                                  "--estimate"])
+    assert r.exit_code != 0 and "Error:" in r.output and "Traceback" not in r.output
