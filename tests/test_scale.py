@@ -138,15 +138,26 @@ def test_head_chunk_must_be_positive(big_vocab, grid_file):
 # -- output-row subsampling ---------------------------------------------------------------------------------
 
 
-def test_row_sample_is_seeded_and_bounded():
+def test_row_sample_is_seeded_stratified_and_bounded():
+    import numpy as np
+
     from mlx_dq.measure import output_row_sample
 
-    a = output_row_sample("model.layers.0.mlp.up_proj", (1000, 64), 100)
-    b = output_row_sample("model.layers.0.mlp.up_proj", (1000, 64), 100)
-    c = output_row_sample("model.layers.1.mlp.up_proj", (1000, 64), 100)
-    assert a.shape == (100,) and len(set(a.tolist())) == 100 and max(a.tolist()) < 1000
-    assert a.tolist() == b.tolist() and a.tolist() != c.tolist()
-    assert output_row_sample("x", (100, 64), 100) is None and output_row_sample("x", (1000, 64), 0) is None
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((1000, 64)).astype("float32")
+    w[[7, 500]] *= 50  # two rows carry most of the output energy: always in the sample
+    w, g = mx.array(w), mx.eye(64)
+    a, wa = output_row_sample("model.layers.0.mlp.up_proj", w, g, 100)
+    b, _ = output_row_sample("model.layers.0.mlp.up_proj", w, g, 100)
+    c, _ = output_row_sample("model.layers.1.mlp.up_proj", w, g, 100)
+    ia = a.tolist()
+    assert len(ia) == 100 == len(set(ia)) and max(ia) < 1000 and ia == sorted(ia)
+    assert ia == b.tolist() and ia != c.tolist()
+    assert 7 in ia and 500 in ia
+    wl = dict(zip(ia, wa.tolist()))
+    assert wl[7] == 1.0 and sum(x == 1.0 for x in wl.values()) == 25
+    assert sum(wl.values()) == pytest.approx(1000)  # the weights count every row once
+    assert output_row_sample("x", w[:100], g, 100) is None and output_row_sample("x", w, g, 0) is None
 
 
 @pytest.mark.parametrize("method,clip", [("rtn", True), ("gptq", True)])
@@ -168,11 +179,12 @@ def test_sampled_rows_error_equals_full_quantization_on_those_rows(method, clip)
     kept = {"1.0:3b_64g": None}
     rec = measure_tensor("t", w, opts, InputStats(gram=gram, rows=512), "default", clip=clip, method=method,
                          kept=kept, sample_rows=64)
-    idx = output_row_sample("t", (300, 128), 64)
+    idx, rw = output_row_sample("t", w, gram, 64)
     assert rec.extra["sampled_rows"] == 64 and kept["1.0:3b_64g"].shape == (300, 128)
     for o in rec.options:
         wq = quantize_tensor(w, o.option, gram, method=method, clip=clip).dequantize(mx.float32)
-        want = output_error(w[idx], wq[idx], gram)
+        d, ws = (wq - w)[idx], w[idx]
+        want = float(mx.sqrt((rw * ((d @ gram) * d).sum(1)).sum() / (rw * ((ws @ gram) * ws).sum(1)).sum()).item())
         assert o.err == pytest.approx(want, rel=1e-3), o.option.desc
         assert abs(o.err - output_error(w, wq, gram)) < 0.15 * output_error(w, wq, gram)  # an estimate of the whole
 
