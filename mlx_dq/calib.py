@@ -60,10 +60,15 @@ def _read_jsonl(path: Path) -> list[str]:
 
 
 def _read_file(path: Path) -> list[str]:
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
+    try:
+        if path.suffix == ".jsonl":
+            return _read_jsonl(path)
+        if path.suffix == ".txt":
+            return [path.read_text(encoding="utf-8")]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start} cannot be decoded): is it a binary file?") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     raise ValueError(f"unsupported text file {path}: expected .txt or .jsonl")
 
 

@@ -162,6 +162,49 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
         _write_plots(m, plot_dir, (2.5, 3.5, 4.5), 4.0, None)
 
 
+def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | None, force: bool) -> None:
+    """Refuse outputs that would overwrite the input, a file that is not a plan (without force), or cannot be written."""
+    from mlx_dq.optimize import load_plan
+    from mlx_dq.safety import check_writable_file, same_file
+
+    for flag, path in (("-o/--output", output), ("--mlx-config", mlx_config)):
+        if path is None:
+            continue
+        if same_file(path, measurement):
+            raise ValueError(f"{flag} {path} is the input measurement: refusing to overwrite it")
+        check_writable_file(path, flag)
+    if mlx_config is not None and same_file(output, mlx_config):
+        raise ValueError("-o/--output and --mlx-config name the same file")
+    if Path(output).exists() and not force:
+        try:
+            load_plan(output)
+        except ValueError:
+            raise ValueError(f"{output} exists and is not a plan: refusing to overwrite it (pass --force)") from None
+
+
+def _unmeasured_note(m: Any, plan: Any) -> str:
+    """What an unfinished measurement leaves out, and the whole model's bpw when every unmeasured tensor stays 16-bit."""
+    import math
+
+    from mlx_dq.safety import model_shapes
+    from mlx_dq.sources import resolve
+
+    n = (m.model or {}).get("num_layers")
+    done = (m.last_module_idx if m.last_module_idx is not None else -1) + 1
+    note = (f"the measurement is unfinished: {done} of {n if n is not None else '?'} layers measured; tensors "
+            "not measured (later layers, embedding, head) are not in the plan and stay 16-bit")
+    try:
+        shapes = model_shapes(resolve(str(m.model["spec"])).config)
+    except (KeyError, TypeError, ValueError, OSError):
+        return note + "; the model cannot be found to count them: the figures cover the measured tensors only"
+    planned = {e.key for e in plan.tensors}
+    rest = [k for k in shapes if k not in planned and k not in m.tied]
+    numel = sum(e.numel for e in plan.tensors)
+    bits = sum(e.bits for e in plan.tensors) + sum(16 * math.prod(shapes[k]) for k in rest)
+    numel += sum(math.prod(shapes[k]) for k in rest)
+    return note + f"; whole model: {bits / numel:.4f} bpw ({len(rest)} tensors not measured)"
+
+
 def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: float | str,
                  quality: str | None) -> None:
     """Write a measurement's figures as PNGs into ``out_dir`` and list them."""
@@ -232,10 +275,13 @@ def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: 
               help="Write a CSV of every planned tensor's EXL2 option and bpw beside its MLX option and bpw.")
 @click.option("--mlx-config", type=click.Path(dir_okay=False), default=None,
               help="Also write the plan as an MLX config (bits, group_size, mode, kept_16bit, tensors).")
+@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a plan.")
+@click.option("--allow-incomplete", is_flag=True,
+              help="Plan from an unfinished measurement (unmeasured tensors stay 16-bit).")
 def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool, keep: tuple[str, ...],
              keep_most_sensitive: tuple[str, ...], parts: tuple[str, ...], keep_outside_budget: bool,
              head_option: str, model_spec: str | None, exl2_map: str, exl2_report: str | None,
-             mlx_config: str | None) -> None:
+             mlx_config: str | None, force: bool, allow_incomplete: bool) -> None:
     """Choose one option per tensor of MEASUREMENT for a bits-per-weight target with the least predicted damage."""
     from mlx_dq import keeprules
     from mlx_dq import measurement as meas
@@ -244,11 +290,17 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 
     head = None if head_option == "budget" else head_option
     try:
+        _check_optimize_outputs(measurement, output, mlx_config, force)
         part_map = keeprules.parse_parts(parts)
         counts = keeprules.parse_keep_counts(keep_most_sensitive)
         keeprules.check_parts(counts, part_map)
         _not_another_form(measurement)
         m = meas.load_measurement(measurement, exl2_map=exl2_map)
+        if not meas.measurement_complete(m) and not allow_incomplete:
+            raise ValueError(
+                f"the measurement {measurement} is unfinished (measured up to layer {m.last_module_idx}): resume "
+                "it by running the same measure command again, or pass --allow-incomplete"
+            )
         plan = opt.optimize(m, bpw, head_option=head, keep=keep, keep_most_sensitive=counts, parts=part_map,
                             mlx_lm_compatible=mlx_lm_compatible, keep_outside_budget=keep_outside_budget)
         measured_heads = any(exl2.is_head(k) for k in m.tensors)
@@ -256,11 +308,21 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
             from mlx_dq.formats.common import modules_for
 
             exl2.complete_head(plan, modules_for(model_spec)[0], head)
-    except (ValueError, OSError) as e:
+        notes = [] if meas.measurement_complete(m) else [_unmeasured_note(m, plan)]
+        if mlx_config:
+            meas.write_json_atomic(opt.plan_to_mlx_config(plan), mlx_config)
+        try:
+            opt.save_plan(plan, output)
+        except OSError:
+            if mlx_config:
+                Path(mlx_config).unlink(missing_ok=True)
+            raise
+    except ValueError as e:
         raise click.ClickException(str(e)) from None
-    opt.save_plan(plan, output)
-    if mlx_config:
-        meas.write_json_atomic(opt.plan_to_mlx_config(plan), mlx_config)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {e.filename or output}: {e.strerror or e}") from None
+    for note in notes:
+        click.echo(f"note: {note}")
     click.echo(f"target {plan.target_bpw:g} bpw: achieved {plan.achieved_bpw:.4f} bpw "
                f"({plan.used_bits:,} of {plan.budget_bits:,} bits), all tensors {plan.total_bpw:.4f} bpw")
     note = exl2.head_note(plan, measured_heads)
@@ -302,11 +364,16 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
               help="GPTQ error compensation, or round-to-nearest with clip search.")
 @click.option("--no-sequential", is_flag=True, help="Feed each layer the unquantized model's activations.")
 @click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
-@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--force", is_flag=True,
+              help="Replace an existing output folder (only an earlier mlx-dq output; never one holding an input).")
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "auto"]), default="float16", show_default=True,
               help="Dtype of scales, biases and 16-bit tensors (auto: the source's; bfloat16 needs --method rtn).")
 @click.option("--upload-repo", default=None, metavar="USER/NAME",
               help="Upload the finished folder to this Hugging Face repo (network and token checked first).")
+@click.option("--allow-incomplete", is_flag=True,
+              help="Use an unfinished --measurement (unmeasured tensors stay 16-bit).")
+@click.option("--allow-other-model", is_flag=True,
+              help="Use a --measurement or --plan made for another model with the same tensor names and shapes.")
 @click.option("--estimate", is_flag=True, help="Print the predicted time, peak memory and disk, and exit.")
 @click.option("--flops", type=float, default=None, help="With --estimate: this float32 FLOP/s instead of timing one.")
 @click.pass_context
@@ -314,13 +381,39 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             plan_path: str | None, mlx_lm_compatible: bool, promote_mixed: bool, head_option: str,
             keep: tuple[str, ...], keep_outside_budget: bool, calib: str | None, rows: int, seq_len: int, seed: int,
             method: str, no_sequential: bool, no_clip: bool, force: bool, dtype: str, upload_repo: str | None,
-            estimate: bool = False, flops: float | None = None) -> None:
-    """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads."""
+            allow_incomplete: bool, allow_other_model: bool, estimate: bool = False,
+            flops: float | None = None) -> None:
+    """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads.
+
+    The folder is built in a hidden sibling, .OUTPUT.partial-PID, and renamed
+    into place when complete; a run that is killed leaves that folder behind,
+    and the next convert into the same parent folder removes it.
+    """
     from mlx_dq.convert import convert as run_convert
     from mlx_dq.hub import check_upload_ready
+    from mlx_dq.options import QuantOption
+    from mlx_dq.safety import check_bpw
 
     if bpw is None and plan_path is None:
         raise click.UsageError("give --bpw (a target) or --plan (a plan file)")
+    if plan_path is not None:
+        given = [flag for flag, on in (("--bpw", bpw is not None), ("--measurement", measurement is not None),
+                                       ("--keep", bool(keep)), ("--mlx-lm-compatible", mlx_lm_compatible),
+                                       ("--head-option", head_option != "budget"),
+                                       ("--keep-outside-budget", keep_outside_budget)) if on]
+        if given:
+            raise click.UsageError(f"--plan is applied as is: {', '.join(given)} would be ignored; "
+                                   "give either --plan or a target (--bpw) with its planning options")
+    if bpw is not None:
+        try:
+            check_bpw(bpw)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--bpw") from None
+    if head_option != "budget":
+        try:
+            QuantOption.parse(head_option)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--head-option") from None
     if estimate:
         _print_estimate(model_spec, flops, "convert", bpw=bpw, rows=rows, seq_len=seq_len, method=method,
                         measure_first=measurement is None and plan_path is None,
@@ -339,12 +432,16 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
             measure_kwargs={"rows": rows, "seq_len": seq_len},
             command=_command_line(ctx), card_ref=upload_repo,
+            allow_incomplete=allow_incomplete, allow_other_model=allow_other_model,
         )
     except (ValueError, FileExistsError, OSError) as e:
         raise click.ClickException(str(e)) from None
     acc = manifest["accounting"]
-    click.echo(f"wrote {output}: {acc['average_bits']:.4f} bpw planned tensors, {acc['average_bits_all']:.4f} bpw "
-               f"all quantizable tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
+    for note in manifest["provenance"].get("checks", []):
+        click.echo(f"note: {note}")
+    planned = f"{acc['average_bits']:.4f}" if acc["average_bits"] is not None else "no"
+    click.echo(f"wrote {output}: {acc['average_bits_all']:.4f} bpw whole model (all quantizable tensors), "
+               f"{planned} bpw planned budget tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
                f"{manifest['provenance']['quantization_seconds']:.0f} s")
     _convert_notes(output)
     click.echo(f"load with: {manifest['loading']}")
@@ -356,9 +453,9 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
 @click.argument("folder", type=click.Path(exists=True))
 @click.option("--width", default=5, show_default=True, type=click.IntRange(min=3), help="Characters per cell.")
 def inspect(folder: str, width: int) -> None:
-    """Print the per-layer bit map and the accounting of a converted model FOLDER, or summarize a file:
-    plan, manifest, measurement, dynquant manifest, MLX config with kept_16bit or dashq record."""
-    from mlx_dq.report import bit_map, read_manifest
+    """Print the per-layer bit map and the accounting of a converted model FOLDER, after checking it is whole,
+    or summarize a file: plan, manifest, measurement, dynquant manifest, MLX config with kept_16bit or dashq record."""
+    from mlx_dq.report import bit_map, check_folder, read_manifest
 
     if not Path(folder).is_dir():
         from mlx_dq.formats import describe
@@ -370,8 +467,12 @@ def inspect(folder: str, width: int) -> None:
         return
     try:
         manifest = read_manifest(folder)
+        problems = check_folder(folder, manifest)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    if problems:
+        raise click.ClickException(f"{folder} does not match its manifest: " + "; ".join(problems[:5])
+                                   + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     click.echo(bit_map(manifest, width=width))
 
 
@@ -565,6 +666,61 @@ def upload(folder: str, repo_id: str, private: bool, list_only: bool) -> None:
             click.echo(f)
         return
     _upload(folder, repo_id, private)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), required=True,
+              help="An mlx-dq output folder (mixed or not).")
+@click.option("--prompt", "-p", required=True, help="Prompt text ('-' reads it from standard input).")
+@click.option("--max-tokens", "-m", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Most tokens to generate.")
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(min=0.0), help="Sampling temperature.")
+@click.option("--top-p", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0), help="Nucleus sampling.")
+@click.option("--seed", default=None, type=int, help="Random seed for sampling.")
+@click.option("--chat/--no-chat", default=True, show_default=True,
+              help="Wrap the prompt in the tokenizer's chat template when it has one.")
+def generate(model_dir: str, prompt: str, max_tokens: int, temp: float, top_p: float, seed: int | None,
+             chat: bool) -> None:
+    """Generate text with an mlx-dq folder through mlx_dq.load: no code from the folder is ever run.
+
+    A thin wrapper over mlx-lm's generate; unlike mlx_lm.generate --trust-remote-code
+    it never imports the file config.json's model_file names.
+    """
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_dq.loader import load
+
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read()
+    try:
+        model, tokenizer = load(model_dir)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(f"cannot load {model_dir}: {e}") from None
+    if seed is not None:
+        mx.random.seed(seed)
+    if chat and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=False)
+    mlx_lm.generate(model, tokenizer, prompt, verbose=True, max_tokens=max_tokens,
+                    sampler=make_sampler(temp=temp, top_p=top_p))
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+def verify(folder: str) -> None:
+    """Check FOLDER's code before trusting it: its model file must be mlx-dq's own shim, byte for byte.
+
+    mlx-lm with --trust-remote-code imports whatever config.json's model_file
+    names; run this on a folder from elsewhere first (or use mlx_dq generate /
+    mlx_dq.load, which never run folder code).
+    """
+    from mlx_dq.safety import verify_model_file
+
+    try:
+        click.echo(verify_model_file(folder))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _print_estimate(model_spec: str, flops: float | None, what: str, **kw: Any) -> None:

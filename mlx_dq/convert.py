@@ -168,27 +168,21 @@ class ShardWriter:
 
 
 def _prepare_output(out: Path, force: bool) -> Path:
-    """Check ``out`` may be written and return a fresh temporary sibling folder to build it in."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise FileExistsError(f"{out} already exists and is not empty; pass force=True (--force) to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    return tmp
+    """Check ``out`` may be written and return a fresh temporary sibling folder to build it in.
+
+    Leftover ``.NAME.partial-PID`` folders of killed conversions in the same parent are removed first.
+    """
+    from .safety import guard_output_folder, make_partial_folder
+
+    guard_output_folder(out, force)
+    return make_partial_folder(out)
 
 
 def _publish(tmp: Path, out: Path) -> None:
     """Move the finished folder into place (replacing an old one only now, when the new one is complete)."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    from .safety import publish_folder
+
+    publish_folder(tmp, out)
 
 
 # --------------------------------------------------------------------------
@@ -207,16 +201,31 @@ def resolve_plan(
     measure_kwargs: dict,
     progress: bool,
     keep_outside_budget: bool = False,
+    allow_incomplete: bool = False,
+    allow_other_model: bool = False,
+    notes: list[str] | None = None,
 ) -> tuple[Plan, Measurement | None]:
-    """The plan to apply: given as is, or optimized from a given or freshly measured measurement."""
+    """The plan to apply: given as is, or optimized from a given or freshly measured measurement.
+
+    A given measurement or plan must have been made for ``source`` (fingerprint
+    and shapes; see :func:`mlx_dq.safety.check_belongs_to`) and a measurement
+    must be complete, unless the ``allow_*`` flags say otherwise; what the
+    checks could not check goes into ``notes``.
+    """
+    from .safety import check_measurement_input, check_plan_input
+
+    notes = [] if notes is None else notes
     if isinstance(plan, dict):
         return plan_from_options(plan, source), None
     if plan is not None:
         if isinstance(plan, (str, Path)):  # ours, or a foreign file mapped onto this model (mlx_dq.formats)
             from .formats import load_plan_any
 
-            return load_plan_any(plan, source), None
-        return plan, None
+            p = load_plan_any(plan, source)
+        else:
+            p = plan
+        notes += check_plan_input(p, plan, source, allow_other_model)
+        return p, None
     if bpw is None:
         raise ValueError("give a bits-per-weight target (bpw) or a plan")
     if measurement is None:
@@ -225,6 +234,7 @@ def resolve_plan(
         m = measure(source, out_path=measurement_path, progress=progress, **measure_kwargs)
     else:
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
+        notes += check_measurement_input(m, measurement, source, allow_incomplete, allow_other_model)
     p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible,
                  keep_outside_budget=keep_outside_budget)
     from .formats.common import model_modules
@@ -295,10 +305,13 @@ def quantize_stream(
         )
 
     def run(mods: dict[str, nn.Module], stats: dict) -> Iterator[tuple]:
+        from .safety import check_finite_weight
+
         for path, mod in mods.items():
             st = stats.get(path)
             gram = st.gram if st is not None else None
             w = mod.weight
+            check_finite_weight(path, w)
             qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=method, clip=clip, damp=damp,
                                  promote=promote_mixed, scale_dtype=scale_dtype)
             yield path, mod, qt, gram, w
@@ -471,6 +484,8 @@ def convert(
     measure_kwargs: dict | None = None,
     command: str | None = None,
     card_ref: str | None = None,
+    allow_incomplete: bool = False,
+    allow_other_model: bool = False,
     _fail_after_layer: int | None = None,
 ) -> dict:
     """Convert ``model`` (any source :func:`mlx_dq.sources.resolve` accepts) into an MLX folder ``out_dir``.
@@ -481,10 +496,15 @@ def convert(
     ``dtype`` is the dtype of scales, biases and 16-bit tensors: float16, bfloat16 (with
     ``method="rtn"``) or auto (bfloat16 when the source's config says so). ``command`` (the
     command line that made it) and ``card_ref`` (the name to load it by, e.g. a
-    hub repo id) go into the folder's model card ``README.md``.
+    hub repo id) go into the folder's model card ``README.md``. ``allow_incomplete``
+    accepts an unfinished measurement and ``allow_other_model`` a measurement or
+    plan made for another model of the same tensor names and shapes; what the
+    checks noticed is listed under ``provenance.checks`` of the manifest.
     """
     from . import __version__
     from . import calib as calib_mod
+    from .optimize import _match
+    from .safety import check_bpw, guard_output_folder, model_shapes
     from .sources import resolve
 
     t_start = time.perf_counter()
@@ -493,8 +513,12 @@ def convert(
     if dtype not in ("float16", "bfloat16", "auto"):
         raise ValueError(f"dtype must be float16, bfloat16 or auto (the source's), got {dtype!r}")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FileExistsError(f"{out} already exists and is not empty; pass force=True (--force) to replace it")
+    if plan is not None and (bpw is not None or measurement is not None):
+        raise ValueError("a plan is applied as is: do not give a bpw target or a measurement with it")
+    if bpw is not None:
+        check_bpw(bpw)
+    if head_option is not None:
+        QuantOption.parse(head_option)
     source = resolve(str(model))
     if dtype == "auto":  # a bfloat16 source stays bfloat16 (scales, biases and 16-bit tensors)
         declared = source.config.get("torch_dtype") or source.config.get("dtype") or ""
@@ -503,6 +527,17 @@ def convert(
     if out_dtype == mx.bfloat16 and method == "gptq":
         raise ValueError("bfloat16 output needs method rtn (--method rtn): GPTQ rounds its codes against "
                          "float16 scales")
+    guard_output_folder(out, force, [
+        ("source model", source.path),
+        ("measurement", measurement if isinstance(measurement, (str, Path)) else None),
+        ("plan", plan if isinstance(plan, (str, Path)) else None),
+    ])
+    if calib is not None:  # a bad calibration file fails now, not after the measurement
+        calib_mod.load_texts(calib)
+    for pat in keep:  # a keep pattern that matches nothing fails now, not after the measurement
+        if not any(_match(k, [pat]) for k in model_shapes(source.config)):
+            raise ValueError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
+    notes: list[str] = []
     mkw = dict(measure_kwargs or {})
     mkw.setdefault("calib", calib)
     mkw.setdefault("seed", seed)
@@ -512,9 +547,14 @@ def convert(
     the_plan, meas = resolve_plan(
         source, bpw=bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
         mlx_lm_compatible=mlx_lm_compatible, head_option=head_option, keep=keep, measure_kwargs=mkw,
-        progress=progress, keep_outside_budget=keep_outside_budget,
+        progress=progress, keep_outside_budget=keep_outside_budget, allow_incomplete=allow_incomplete,
+        allow_other_model=allow_other_model, notes=notes,
     )
     options = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
+    unplanned = sorted(k for k in model_shapes(source.config) if k not in options)
+    if unplanned and not isinstance(plan, dict):
+        notes.append(f"{len(unplanned)} tensor(s) not in the plan stay 16-bit: {', '.join(unplanned[:4])}"
+                     + (f" (and {len(unplanned) - 4} more)" if len(unplanned) > 4 else ""))
 
     texts, tokens = calib_mod.calibration_rows(source.tokenizer(), calib, rows, seq_len, seed)
     tmp = _prepare_output(out, force)
@@ -570,6 +610,7 @@ def convert(
 
         add_facts(manifest, tmp, files, the_plan, measurement if isinstance(measurement, (str, Path)) else None, meas)
         manifest["provenance"]["command"] = command
+        manifest["provenance"]["checks"] = notes
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
         from .card import source_metadata, write_card
 

@@ -262,9 +262,16 @@ def _error_meter(w: mx.array, gram: mx.array | None, counts: np.ndarray | None,
             onum = wnum
         den = oden if gram is not None or counts is not None else wden
         mx.eval(onum, wnum)
-        return math.sqrt(onum.item() / den.item()), math.sqrt(wnum.item() / wden.item())
+        return _relative(onum.item(), den.item()), _relative(wnum.item(), wden.item())
 
     return meter
+
+
+def _relative(num: float, den: float) -> float:
+    """sqrt(num / den); a zero reference (an all-zero tensor, pruned or padded) counts as error 0 when kept exactly."""
+    if den > 0:
+        return math.sqrt(num / den)
+    return 0.0 if num == 0 else math.sqrt(num)
 
 
 def measure_tensor(
@@ -296,7 +303,9 @@ def measure_tensor(
     are still quantized on every row.
     """
     from .convert import quantize_tensor
+    from .safety import check_finite_weight
 
+    check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
     quant_gram = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)

@@ -43,7 +43,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -461,12 +460,17 @@ def load_measurement(
     path = str(path)
     data = _read_json(path)
     kind = detect_format(data)
-    if kind == "mlx_dq":
-        return _from_ours(data, path)
-    if kind == "exl2_v1":
-        return _from_exl2_v1(data, path, shapes or {}, exl2_map)
-    if kind == "exl2_v2":
-        return _from_exl2_v2(data, path, shapes or {}, exl2_map)
+    readers = {"mlx_dq": lambda: _from_ours(data, path), "exl2_v1": lambda: _from_exl2_v1(data, path, shapes or {}, exl2_map),
+               "exl2_v2": lambda: _from_exl2_v2(data, path, shapes or {}, exl2_map)}
+    if kind in readers:
+        try:
+            return validate_measurement(readers[kind](), path)
+        except ValueError as e:
+            if str(e).startswith(path):
+                raise
+            raise _fail(path, f"malformed measurement: {e}") from None
+        except (TypeError, KeyError, AttributeError, IndexError, OverflowError, ZeroDivisionError) as e:
+            raise _fail(path, f"malformed measurement: {type(e).__name__}: {e}") from None
     keys = sorted(data)[:8] if isinstance(data, dict) else type(data).__name__
     raise ValueError(
         f"{path}: not a measurement file (expected our 'mlx_dq.measurement' JSON or an ExLlamaV2 "
@@ -589,9 +593,32 @@ def _opt_to_json(rec: OptionRecord) -> dict:
     return d
 
 
+def _check_types(d: Mapping, where: str, path: str, ints: Iterable[str] = (), numbers: Iterable[str] = (),
+                 strings: Iterable[str] = ()) -> None:
+    """Strict JSON types for the fields a reader uses (no numbers as strings, no booleans as numbers)."""
+    from .safety import finite_number
+
+    for f in ints:
+        v = d.get(f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise _fail(path, f"{where}: {f} must be an integer, got {v!r}")
+    for f in numbers:
+        if d.get(f) is not None:
+            try:
+                finite_number(d[f], f)
+            except ValueError as e:
+                raise _fail(path, f"{where}: {e}") from None
+    for f in strings:
+        v = d.get(f)
+        if v is not None and not isinstance(v, str):
+            raise _fail(path, f"{where}: {f} must be a string, got {v!r}")
+
+
 def _opt_from_json(d: Mapping, where: str, path: str) -> OptionRecord:
+    _check_keys(d, _OPTION_KEYS, where, path)
     for f in ("mlx", "bpw", "total_bits", "err"):
         _need(d, f, where, path)
+    _check_types(d, where, path, ints=("total_bits",), numbers=("bpw", "err", "damage"), strings=("mlx",))
     try:
         opt = QuantOption.parse(d["mlx"])
     except ValueError as e:
@@ -644,8 +671,16 @@ def measurement_to_json(m: Measurement) -> dict:
 
 
 def _tensor_from_json(r: Mapping, where: str, path: str) -> TensorRecord:
+    _check_keys(r, _TENSOR_KEYS, where, path)
     key = _need(r, "key", where, path)
+    if not isinstance(key, str) or not key:
+        raise _fail(path, f"{where}: key must be a non-empty string, got {key!r}")
+    if not isinstance(r.get("role", ""), str) or not isinstance(r.get("group", ""), (str, type(None))):
+        raise _fail(path, f"{where} ({key!r}): role and group must be strings")
+    _check_types(r, f"{where} ({key!r})", path, ints=("numel",), numbers=("importance",))
     shape = _need(r, "shape", f"{where} ({key!r})", path)
+    if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
+        raise _fail(path, f"{where} ({key!r}): shape must be a list of integers, got {shape!r}")
     try:
         return TensorRecord(key, tuple(shape), int(r.get("numel", 0)), r.get("role", guess_role(key)),
                             float(r.get("importance", 1.0)), group=r.get("group"), extra=r.get("extra", {}))
@@ -656,6 +691,16 @@ def _tensor_from_json(r: Mapping, where: str, path: str) -> TensorRecord:
 def _from_ours(data: dict, path: str) -> Measurement:
     if data.get("version") != FORMAT_VERSION:
         raise _fail(path, f"unsupported {FORMAT_NAME} version {data.get('version')!r} (expected {FORMAT_VERSION})")
+    _check_keys(data, _TOP_KEYS, "the document", path)
+    for name in ("model", "calibration", "versions", "tied", "extra"):
+        if data.get(name) is not None and not isinstance(data[name], dict):
+            raise _fail(path, f"{name!r} must be an object, got {type(data[name]).__name__}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in (data.get("tied") or {}).items()):
+        raise _fail(path, "'tied' must map tensor names to tensor names")
+    for name in ("last_module_idx", "base_perplexity"):
+        v = data.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise _fail(path, f"{name!r} must be a finite number or null, got {v!r}")
     m = Measurement(
         base_perplexity=data.get("base_perplexity"), model=data.get("model") or {},
         calibration=data.get("calibration") or {}, grid=data.get("grid"), versions=data.get("versions") or {},
@@ -697,18 +742,95 @@ def save_measurement(m: Measurement, path: str | os.PathLike) -> None:
 
 
 def write_json_atomic(doc: Any, path: str | os.PathLike) -> None:
-    """Write JSON so a reader never sees a half-written file, even if the writer is killed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write JSON so a reader never sees a half-written file, even if the writer is killed (see :mod:`mlx_dq.safety`)."""
+    from .safety import write_json_atomic as _write
+
+    _write(doc, path)
+
+
+# --------------------------------------------------------------------------- validation
+_TOP_KEYS = {"format", "version", "measurement", "groups", "last_module_idx", "base_perplexity", "model",
+             "calibration", "grid", "versions", "tied", "source_format", "extra"}
+_TENSOR_KEYS = {"key", "numel", "shape", "role", "importance", "group", "extra", "options"}
+_OPTION_KEYS = {"desc", "bpw", "total_bits", "err", "qparams", "mlx", "weight_err", "clip", "exl2_desc",
+                "exl2_total_bits", "damage", "exl2_qparams"}
+
+
+def _check_keys(obj: Any, allowed: set, where: str, path: str) -> None:
+    if not isinstance(obj, Mapping):
+        raise _fail(path, f"{where} must be an object, got {type(obj).__name__}")
+    extra = sorted(str(k) for k in obj if k not in allowed)
+    if extra:
+        raise _fail(path, f"{where} has unknown field(s) {extra[:3]} (a file of another tool or version?)")
+
+
+def _check_option(r: OptionRecord, where: str, path: str) -> None:
+    from .safety import finite_number
+
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        if r.err is not None:
+            finite_number(r.err, "err", minimum=0.0)
+        if r.damage is not None:
+            finite_number(r.damage, "damage", minimum=0.0)
+        finite_number(r.bpw, "bpw", minimum=0.0)
+        if r.total_bits < 0:
+            raise ValueError(f"total_bits must be >= 0, got {r.total_bits}")
+    except ValueError as e:
+        raise _fail(path, f"{where} ({r.desc}): {e}") from None
+
+
+def _check_bits(r: OptionRecord, shape: tuple[int, ...], where: str, path: str) -> None:
+    if not r.option.fits(shape[-1]):
+        raise _fail(path, f"{where}: option {r.desc} does not fit {shape[-1]} inputs")
+    if r.total_bits != r.option.storage_bits(shape):
+        raise _fail(path, f"{where}: total_bits {r.total_bits} are not the storage of {r.desc} at shape {list(shape)}")
+    if abs(r.bpw - r.total_bits / math.prod(shape)) > 1e-6 * max(r.bpw, 1.0):
+        raise _fail(path, f"{where}: bpw {r.bpw} does not match total_bits / weights")
+
+
+def validate_measurement(m: Measurement, path: str) -> Measurement:
+    """Refuse measurements the optimizer cannot trust: errors and importances must be finite and non-negative."""
+    from .safety import finite_number
+
+    for t in m.tensors.values():
+        where = f"tensor {t.key!r}"
+        if any(d <= 0 for d in t.shape):
+            raise _fail(path, f"{where}: shape {list(t.shape)} has a non-positive dimension")
+        try:
+            finite_number(t.importance, "importance", minimum=0.0)
+        except ValueError as e:
+            raise _fail(path, f"{where}: {e}") from None
+        if t.group is None and not t.options:
+            raise _fail(path, f"{where} has no options")
+        for r in t.options:
+            _check_option(r, where, path)
+            _check_bits(r, t.shape, where, path)
+    for g in m.groups.values():
+        where = f"module {g.key!r}"
+        try:
+            finite_number(g.importance, "importance", minimum=0.0)
+        except ValueError as e:
+            raise _fail(path, f"{where}: {e}") from None
+        for k in g.members:
+            if k not in m.tensors:
+                raise _fail(path, f"{where} names a member {k!r} that has no tensor record")
+        if not g.options:
+            raise _fail(path, f"{where} has no options")
+        for j, o in enumerate(g.options):
+            try:
+                finite_number(o.err, "err", minimum=0.0)
+            except ValueError as e:
+                raise _fail(path, f"{where} option {j}: {e}") from None
+            if set(o.members) != set(g.members):
+                raise _fail(path, f"{where} option {j} does not set exactly the module's members")
+            for k, r in o.members.items():
+                _check_option(r, f"{where} option {j}", path)
+                _check_bits(r, m.tensors[k].shape, f"{where} option {j} member {k!r}", path)
+    return m
+
+
+def measurement_complete(m: Measurement) -> bool:
+    """Whether ``m`` covers the whole model (our measurements say so; ExLlamaV2 files are taken as complete)."""
+    if m.source_format != FORMAT_NAME or "complete" not in m.extra:
+        return True
+    return m.extra.get("complete") is True

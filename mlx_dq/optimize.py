@@ -119,6 +119,8 @@ def load_plan(path: str | Path) -> Plan:
         raise ValueError(f"{path}: no such plan file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not a JSON plan ({e})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the plan ({e.strerror or e})") from None
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
         raise ValueError(f"{path}: not an {PLAN_FORMAT} file")
     if data.get("version") != PLAN_VERSION:
@@ -129,12 +131,55 @@ def load_plan(path: str | Path) -> Plan:
         plan = Plan(**data, tensors=entries)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: malformed plan: {e}") from None
+    try:
+        _validate_plan(plan)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return plan
+
+
+def _validate_plan(plan: Plan) -> None:
+    """ValueError unless every entry of ``plan`` is a well-formed, self-consistent tensor choice."""
+    from .safety import finite_number
+
+    for name in ("target_bpw", "achieved_bpw", "total_bpw", "objective"):
+        finite_number(getattr(plan, name), name, minimum=0.0)
+    for name in ("lower_bound", "gap", "multiplier"):
+        if getattr(plan, name) is not None:
+            finite_number(getattr(plan, name), name)
+    for name in ("budget_bits", "used_bits", "numel"):
+        v = getattr(plan, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+    if not isinstance(plan.tensors, list) or not plan.tensors:
+        raise ValueError("the plan lists no tensors")
+    if not isinstance(plan.source, dict) or not isinstance(plan.settings, dict) or not isinstance(plan.kept, list):
+        raise ValueError("malformed plan: 'source' and 'settings' must be objects, 'kept' a list")
+    seen = set()
     for e in plan.tensors:
+        if not isinstance(e.key, str) or not e.key:
+            raise ValueError(f"a tensor key must be a non-empty string, got {e.key!r}")
+        if e.key in seen:
+            raise ValueError(f"tensor {e.key!r} is listed twice")
+        seen.add(e.key)
+        where = f"tensor {e.key!r}"
+        if not isinstance(e.option, str):
+            raise ValueError(f"{where}: option must be a string, got {e.option!r}")
         try:
             QuantOption.parse(e.option)
-        except ValueError as err:
-            raise ValueError(f"{path}: tensor {e.key!r}: {err}") from None
-    return plan
+        except (ValueError, TypeError, AttributeError) as err:
+            raise ValueError(f"{where}: {err}") from None
+        if (not isinstance(e.shape, list) or len(e.shape) < 2
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in e.shape)):
+            raise ValueError(f"{where}: shape must be a list of positive integers, got {e.shape!r}")
+        if isinstance(e.numel, bool) or e.numel != math.prod(e.shape):
+            raise ValueError(f"{where}: numel {e.numel!r} does not match shape {e.shape}")
+        if isinstance(e.bits, bool) or not isinstance(e.bits, int) or e.bits < 0:
+            raise ValueError(f"{where}: bits must be a non-negative integer, got {e.bits!r}")
+        if e.err is not None:
+            finite_number(e.err, f"{where}: err", minimum=0.0)
+        if e.scope not in ("budget", "head", "kept"):
+            raise ValueError(f"{where}: scope must be budget, head or kept, got {e.scope!r}")
 
 
 # --------------------------------------------------------------------------- problem

@@ -362,9 +362,11 @@ def output_error(w: mx.array, wq: mx.array, gram: mx.array) -> float:
     g = gram.astype(mx.float32)
     w32 = w.astype(mx.float32)
     d = wq.astype(mx.float32) - w32
-    num = ((d @ g) * d).sum()
-    den = ((w32 @ g) * w32).sum()
-    return float(mx.sqrt(num / den).item())
+    num = float(((d @ g) * d).sum().item())
+    den = float(((w32 @ g) * w32).sum().item())
+    if den > 0:
+        return math.sqrt(num / den)
+    return 0.0 if num == 0 else math.sqrt(num)  # a zero reference (all-zero weight or inputs): absolute error
 
 
 # --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 MANIFEST_NAME = "mlx_dq.json"
 _LAYER = re.compile(r"^(.*?\.layers\.)(\d+)\.(.+)$")
@@ -17,12 +18,154 @@ def read_manifest(folder: str | Path) -> dict:
     if not path.exists():
         raise ValueError(f"{folder} has no {MANIFEST_NAME}: not an mlx-dq output folder")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(data, dict) or data.get("schema") != "mlx_dq.manifest" or "modules" not in data:
         raise ValueError(f"{path} is not an mlx-dq manifest")
     return data
+
+
+def _bad(path: Path, what: str) -> ValueError:
+    return ValueError(f"{path}: {what}")
+
+
+def check_manifest(manifest: dict, path: Path) -> None:
+    """ValueError unless the fields the bit map and the checks read have the right types and finite values."""
+    import math
+
+    from .options import QuantOption
+
+    def number(v: Any, where: str, nullable: bool = False) -> None:
+        if v is None and nullable:
+            return
+        from .safety import finite_number
+
+        try:
+            finite_number(v, where, minimum=0.0)
+        except ValueError as e:
+            raise _bad(path, str(e)) from None
+
+    modules = manifest.get("modules")
+    if not isinstance(modules, dict) or not modules:
+        raise _bad(path, "'modules' must be a non-empty object of module records")
+    for name, rec in modules.items():
+        where = f"module {name!r}"
+        if not isinstance(rec, dict):
+            raise _bad(path, f"{where} must be an object")
+        option = rec.get("option")
+        if not isinstance(option, str):
+            raise _bad(path, f"{where}: option must be a string, got {option!r}")
+        try:
+            QuantOption.parse(option)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise _bad(path, f"{where}: {e}") from None
+        shape = rec.get("shape")
+        if not isinstance(shape, list) or len(shape) < 2 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise _bad(path, f"{where}: shape must be a list of positive integers, got {shape!r}")
+        bits_field = "storage_bits" if "storage_bits" in rec else "bits"  # named storage_bits from version 2
+        for f in ("bpw", bits_field, "numel", "bytes"):
+            number(rec.get(f), f"{where}: {f}")
+        if rec["numel"] != math.prod(shape):
+            raise _bad(path, f"{where}: numel {rec['numel']} does not match shape {shape}")
+        opt = QuantOption.parse(option)
+        if rec[bits_field] != opt.storage_bits(shape) or abs(rec["bpw"] - opt.bpw(shape)) > 1e-6:
+            raise _bad(path, f"{where}: {bits_field}/bpw {rec[bits_field]}/{rec['bpw']} are not the storage of {option}")
+    acc = manifest.get("accounting", {})
+    if not isinstance(acc, dict):
+        raise _bad(path, "'accounting' must be an object")
+    for k, v in acc.items():
+        number(v, f"accounting.{k}", nullable=True)
+    if not isinstance(manifest.get("tied", {}), dict):
+        raise _bad(path, "'tied' must be an object")
+
+
+def _recorded_files(files: Any, path: Path) -> dict[str, int] | None:
+    """The manifest's ``files`` list (``[{"name", "bytes", ...}]``) as name -> size."""
+    if not isinstance(files, list):
+        raise _bad(path, "'files' must be a list of {name, bytes} records")
+    out: dict[str, int] = {}
+    for i, f in enumerate(files):
+        name = f.get("name") if isinstance(f, dict) else None
+        size = f.get("bytes") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not name or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise _bad(path, f"files[{i}] must be a record with a file name and a byte count, got {f!r}")
+        out[name] = size
+    return out
+
+
+def check_folder(folder: str | Path, manifest: dict) -> list[str]:
+    """Problems of an output folder against its manifest: missing or resized files, config.json disagreeing.
+
+    Returns nothing when the folder is whole: every file the manifest lists exists
+    with its recorded size (older manifests: the weight files config and index
+    name), and config.json quantizes exactly the modules the manifest records, as
+    it records them.
+    """
+    from .options import QuantOption
+
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    check_manifest(manifest, path)
+    problems: list[str] = []
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            shards = sorted({str(v) for v in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            shards = []
+            problems.append("model.safetensors.index.json is not a valid index")
+    else:
+        shards = ["model.safetensors"]
+    files = _recorded_files(manifest["files"], path) if "files" in manifest else None
+    if files is not None:
+        for name, size in sorted(files.items()):
+            f = folder / name
+            if "/" in name or "\\" in name or name.startswith("."):
+                problems.append(f"the manifest lists a file outside the folder: {name!r}")
+            elif not f.is_file():
+                problems.append(f"{name} is missing")
+            elif f.stat().st_size != size:
+                problems.append(f"{name} has size {f.stat().st_size:,} bytes, the manifest records {size:,}")
+        problems += [f"weight file {s} is not recorded in the manifest" for s in shards if s not in files]
+    problems += [f"{s} is missing" for s in shards if not (folder / s).is_file() and not (files is not None and s in files)]
+    on_disk = manifest.get("accounting", {}).get("weights_on_disk_bytes")
+    if on_disk is not None and all((folder / s).is_file() for s in shards):
+        total = sum((folder / s).stat().st_size for s in shards)
+        if total != on_disk:
+            problems.append(f"the weight files hold {total:,} bytes, the manifest records {on_disk:,}")
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError) as e:
+        return problems + [f"config.json cannot be read ({e})"]
+    quant = config.get("quantization") if isinstance(config.get("quantization"), dict) else {}
+    quant = {k: v for k, v in quant.items() if isinstance(v, dict)}
+    mixed = ((config.get("mlx_dq") or {}) if isinstance(config.get("mlx_dq"), dict) else {}).get("mixed") or {}
+    if not isinstance(mixed, dict):
+        mixed = {}
+    modules = manifest["modules"]
+    for name, rec in sorted(modules.items()):
+        opt = QuantOption.parse(rec["option"])
+        if opt.keep16:
+            if name in quant or name in mixed:
+                problems.append(f"config.json quantizes {name}, which the manifest records as 16-bit")
+        elif opt.is_mixed:
+            if not isinstance(mixed.get(name), dict) or mixed[name].get("option") != opt.desc:
+                problems.append(f"config.json does not list {name} as the mixed layer {opt.desc} of the manifest")
+        else:
+            seg = opt.segments[0]
+            want = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
+            if quant.get(name) != want:
+                problems.append(f"config.json quantizes {name} as {quant.get(name)}, the manifest records {want}")
+    for name in sorted(set(quant) | set(mixed)):
+        if name not in modules:
+            problems.append(f"config.json quantizes {name}, which the manifest does not record")
+    return problems
 
 
 def _short(name: str) -> str:

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from mlx_dq import evaluate
 from mlx_dq.cli import main
 
-COMMANDS = ["info", "perplexity", "measure", "optimize", "convert", "inspect", "eval"]
+COMMANDS = ["info", "perplexity", "measure", "optimize", "convert", "inspect", "eval", "generate", "verify"]
 
 
 def run(*args: str):
