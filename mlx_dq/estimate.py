@@ -23,6 +23,7 @@ FIXED_S = 5.0  # start-up: imports, tokenizer, calibration text
 OPTION_S = {"rtn": 0.1, "gptq": 0.3}  # per (tensor, option) overhead that does not scale with the shapes
 TENSOR_S = 0.15  # per tensor overhead of convert
 JSON_BYTES_PER_OPTION = 600  # measurement JSON per (tensor, option)
+QUANT_COPIES = 6  # float32 copies of the largest tensor alive while it is quantized (GPTQ working arrays)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
-    peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + 4 * 4 * largest + logits + head_extra
+    peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + QUANT_COPIES * 4 * largest + logits + head_extra
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON
     seconds = TIME_FACTOR * 2 * macs / f + FIXED_S + OPTION_S.get(method, 0.3) * n_meas
     return Estimate("measure", macs=macs, measurements=n_meas, seconds=seconds, peak_bytes=peak,
@@ -187,7 +188,7 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     peak = BASE_RSS + sum(4 * _numel(s) for _, s in other) + 2 * 4 * biggest_layer + 4 * tokens * hidden * 2 \
-        + 4 * 4 * largest + 4 * 128 * vocab * 2
+        + QUANT_COPIES * 4 * largest + 4 * 128 * vocab * 2
     if meas is not None:
         peak = max(peak, meas.peak_bytes)
     est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,
