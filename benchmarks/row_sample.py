@@ -68,11 +68,14 @@ def main() -> None:
         worst = max(abs(b.err - a.err) / a.err for a, b in zip(recs["full"][path].options,
                                                                 recs["sampled"][path].options))
         print(f"{path:40s} rows {mod.weight.shape[0]:5d}  worst option error difference {worst:.2%}", flush=True)
+    if args.json:  # the errors first: the plans below are the cheap part
+        Path(args.json).write_text(json.dumps({k: {p: [(o.option.desc, o.err) for o in r.options] for p, r in v.items()}
+                                               for k, v in recs.items()}, indent=1))
     plans = {}
     for kind in ("full", "sampled"):
         m = Measurement(model={"spec": "smollm2-subset"}, calibration={}, grid={}, versions={})
         m.tensors = recs[kind]
-        plans[kind] = {e.key: e.option for e in optimize(m, args.bpw).entries}
+        plans[kind] = {e.key: e.option for e in optimize(m, args.bpw).tensors}
     differ = [k for k in plans["full"] if plans["full"][k] != plans["sampled"][k]]
     d = np.array(diffs)
     print(f"\noption errors: median difference {np.median(d):.2%}, 95th percentile {np.quantile(d, 0.95):.2%}, "
@@ -81,7 +84,7 @@ def main() -> None:
     print(f"{args.bpw} bpw plans over these {len(mods)} tensors: {len(differ)} differ" +
           "".join(f"\n  {k}: {plans['full'][k]} -> {plans['sampled'][k]}" for k in differ))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "seconds": secs, "differ": differ,
+        Path(args.json).with_suffix(".summary.json").write_text(json.dumps({"args": vars(args), "seconds": secs, "differ": differ,
                                                "plans": plans, "median": float(np.median(d)),
                                                "p95": float(np.quantile(d, 0.95)), "max": float(d.max())}, indent=1))
 
