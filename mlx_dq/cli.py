@@ -132,14 +132,22 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Also write the measurement's figures (PNG) into this folder.")
 @click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a measurement.")
+@click.option("--sample-rows", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Measure each linear layer's options on this many random output rows (0: all rows).")
+@click.option("--estimate", is_flag=True, help="Print the predicted time, peak memory and disk, and exit.")
+@click.option("--flops", type=float, default=None, help="With --estimate: this float32 FLOP/s instead of timing one.")
 def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: int, grid: str | None,
             importance: str, method: str, clip: bool | None, kl_scale: bool, output: str, no_resume: bool,
-            plot_dir: str | None, force: bool) -> None:
+            plot_dir: str | None, force: bool = False, sample_rows: int = 0, estimate: bool = False,
+            flops: float | None = None) -> None:
     """Measure every tensor's error under each quantization option, one decoder layer at a time."""
     from mlx_dq.measure import measure as run_measure
-
     from mlx_dq.safety import guard_output_file, json_kind
 
+    if estimate:
+        _print_estimate(model_spec, flops, "measure", rows=rows, seq_len=seq_len, grid=grid, method=method,
+                        kl_scale=kl_scale and importance == "residual", sample_rows=sample_rows)
+        return
     t0 = time.perf_counter()
     try:
         guard_output_file(output, "-o/--output", force=force, kind="a measurement",
@@ -147,7 +155,7 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
                           is_kind=lambda p: json_kind(p) == "mlx_dq")
         m = run_measure(model_spec, calib=calib, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
                         out_path=output, resume=not no_resume, importance=importance, clip=clip,
-                        method=method, kl_scale=kl_scale)
+                        method=method, kl_scale=kl_scale, sample_rows=sample_rows)
     except (ValueError, OSError) as e:
         raise click.ClickException(_rank_tag(str(e))) from None
     if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
@@ -380,12 +388,15 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
               help="Use an unfinished --measurement (unmeasured tensors stay 16-bit).")
 @click.option("--allow-other-model", is_flag=True,
               help="Use a --measurement or --plan made for another model with the same tensor names and shapes.")
+@click.option("--estimate", is_flag=True, help="Print the predicted time, peak memory and disk, and exit.")
+@click.option("--flops", type=float, default=None, help="With --estimate: this float32 FLOP/s instead of timing one.")
 @click.pass_context
 def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str, measurement: str | None,
             plan_path: str | None, mlx_lm_compatible: bool, promote_mixed: bool, head_option: str,
             keep: tuple[str, ...], keep_outside_budget: bool, calib: str | None, rows: int, seq_len: int, seed: int,
             method: str, no_sequential: bool, no_clip: bool, force: bool, dtype: str, upload_repo: str | None,
-            allow_incomplete: bool, allow_other_model: bool) -> None:
+            allow_incomplete: bool, allow_other_model: bool, estimate: bool = False,
+            flops: float | None = None) -> None:
     """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads.
 
     The folder is built in a hidden sibling, .OUTPUT.partial-PID, and renamed
@@ -417,6 +428,12 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             QuantOption.parse(head_option)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--head-option") from None
+    if estimate:
+        _print_estimate(model_spec, flops, "convert", bpw=bpw, rows=rows, seq_len=seq_len, method=method,
+                        measure_first=measurement is None and plan_path is None,
+                        measure_kwargs={"rows": rows, "seq_len": seq_len},
+                        measurement_bytes=Path(measurement).stat().st_size if measurement else None)
+        return
     try:
         if upload_repo is not None:
             check_upload_ready(upload_repo)  # before any work: a long conversion must not end in "offline"
@@ -764,3 +781,26 @@ def _is_root() -> bool:
     from mlx_dq.distributed import is_root
 
     return is_root()
+
+
+def _print_estimate(model_spec: str, flops: float | None, what: str, **kw: Any) -> None:
+    """Print the predicted cost of ``measure`` or ``convert`` from the model's shapes (no weights loaded)."""
+    from mlx_dq.estimate import estimate_convert, estimate_measure
+    from mlx_dq.sources import resolve
+
+    try:
+        source = resolve(model_spec)
+        if what == "measure":
+            parts = [estimate_measure(source, flops=flops, **kw)]
+        else:
+            conv, meas = estimate_convert(source, flops=flops, **kw)
+            parts = [p for p in (meas, conv) if p is not None]
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    for p in parts:
+        for line in p.lines():
+            click.echo(line)
+    if len(parts) > 1:
+        click.echo(f"total: about {sum(p.seconds for p in parts) / 60:.1f} min, peak memory about "
+                   f"{max(p.peak_bytes for p in parts) / 2**30:.2f} GiB, disk about "
+                   f"{sum(p.disk_bytes for p in parts) / 2**20:.1f} MiB")

@@ -291,7 +291,7 @@ def quantize_stream(
     With ``sequential`` each layer's output is recomputed with its quantized
     weights before it feeds the next layer.
     """
-    from .measure import _free, _layer_prefix, _load_into, head_logits, probe_layers
+    from .measure import _free, _layer_prefix, _load_into, head_logits, position_chunks, probe_layers
     from .sources import build_model
 
     net = build_model(source.config)
@@ -378,8 +378,10 @@ def quantize_stream(
         for b, sl in enumerate(batches):
             if not share.runs(b):
                 continue
-            mx.eval(head_logits(net, tokens[sl], hidden[sl]))
-            share.flush(col, b)
+            h = hidden[sl]
+            for psl in position_chunks(int(tokens.shape[1])):  # logits never [calibration tokens, vocab]
+                mx.eval(head_logits(net, tokens[sl, psl], h[:, psl]))
+                share.flush(col, b)
     dist.reduce_stats(col)
     yield from run(head_mods, col.stats)
     done = {f"{p}.weight" for p in head_mods}

@@ -75,6 +75,7 @@ import math
 import os
 import platform
 import time
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -98,6 +99,8 @@ DEFAULT_IMPORTANCE_ROWS = 4
 REFERENCE_OPTION = "1.0:3b_64g"
 IMPORTANCE_MODES = ("residual", "kl", "none")
 KL_SAMPLE_LAYERS = 8  # decoder layers whose joint perturbation is carried to the logits to scale importance to KL
+HEAD_CHUNK = 128  # positions per head call: logits are [chunk, vocab] float32, never [calibration tokens, vocab]
+REF_CACHE_BYTES = 512 * 2**20  # reference log-probabilities kept for the head's KL; the rest are recomputed
 TIMING_KEYS = ("timing",)  # fields that differ between otherwise identical runs
 
 
@@ -206,19 +209,49 @@ def reference_option(options: Sequence[QuantOption], in_features: int, ref: str 
 # --------------------------------------------------------------------------
 # per-tensor measurement
 # --------------------------------------------------------------------------
-def _error_meter(w: mx.array, gram: mx.array | None, counts: np.ndarray | None) -> Callable[[mx.array], tuple[float, float]]:
+def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int) -> tuple[mx.array, mx.array] | None:
+    """A seeded, stratified sample of ``n`` output rows of a 2-D weight and each row's weight; None when not smaller.
+
+    Rounding, the clip search and GPTQ treat output rows independently (the
+    Gram matrix is shared, each row's error is its own), so a weighted sum over
+    a subset of rows estimates the whole tensor's squared output error at
+    ``n / rows`` of the cost. Plain uniform sampling misses the few rows that
+    carry most of the output energy in LLMs (massive-activation channels): on
+    SmolLM2 it put one ``o_proj`` error 44% off. So the ``n // 4`` rows of
+    largest output energy ``w_i G w_i^T`` are always taken (weight 1) and the
+    rest are drawn uniformly (weight ``remaining / drawn``). Seeded by the name.
+    """
+    rows = int(w.shape[0])
+    if n <= 0 or w.ndim != 2 or gram.ndim != 2 or rows <= n:
+        return None
+    w32 = w.astype(mx.float32)
+    energy = np.asarray(((w32 @ gram.astype(mx.float32)) * w32).sum(1), dtype=np.float64)
+    top = np.argsort(-energy, kind="stable")[: n // 4]
+    rest = np.setdiff1d(np.arange(rows), top)
+    rng = np.random.default_rng(zlib.crc32(key.encode()))
+    drawn = rng.choice(rest, size=n - top.size, replace=False)
+    idx = np.concatenate([top, drawn])
+    weights = np.concatenate([np.ones(top.size), np.full(drawn.size, rest.size / drawn.size)])
+    order = np.argsort(idx)
+    return mx.array(idx[order].astype(np.int32)), mx.array(weights[order].astype(np.float32))
+
+
+def _error_meter(w: mx.array, gram: mx.array | None, counts: np.ndarray | None,
+                 row_weights: mx.array | None = None) -> Callable[[mx.array], tuple[float, float]]:
     """A function ``wq -> (err, weight_err)`` with the reference energies computed once.
 
     ``err`` is the relative output error ``sqrt(tr(D G D^T) / tr(W G W^T))`` when a
     Gram matrix is given (per expert ``[E, in, in]`` for banks: a sum over experts),
     the token-frequency-weighted lookup error for an embedding with ``counts``,
     else the weight error. Same formulas as :func:`mlx_dq.quant.output_error`.
+    ``row_weights`` (``[rows]``, 2-D weights with a Gram) weights each output row's sums.
     """
     w32 = w.astype(mx.float32)
-    wden = (w32 * w32).sum()
+    rw = None if row_weights is None else row_weights[:, None]
+    wden = (w32 * w32).sum() if rw is None else (rw * w32 * w32).sum()
     if gram is not None:
         g = gram.astype(mx.float32)
-        oden = ((w32 @ g) * w32).sum()
+        oden = ((w32 @ g) * w32).sum() if rw is None else (rw * (w32 @ g) * w32).sum()
     elif counts is not None:
         c = mx.array(counts.astype(np.float32))[:, None]
         oden = (c * w32 * w32).sum()
@@ -226,9 +259,9 @@ def _error_meter(w: mx.array, gram: mx.array | None, counts: np.ndarray | None) 
 
     def meter(wq: mx.array) -> tuple[float, float]:
         d = wq.astype(mx.float32) - w32
-        wnum = (d * d).sum()
+        wnum = (d * d).sum() if rw is None else (rw * d * d).sum()
         if gram is not None:
-            onum = ((d @ g) * d).sum()
+            onum = ((d @ g) * d).sum() if rw is None else (rw * (d @ g) * d).sum()
         elif counts is not None:
             onum = (c * d * d).sum()
         else:
@@ -260,6 +293,7 @@ def measure_tensor(
     damage_fn: Callable[[mx.array], float] | None = None,
     progress: bool = False,
     only: set[str] | None = None,
+    sample_rows: int = 0,
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
@@ -272,6 +306,9 @@ def measure_tensor(
     ``damage_fn(wq)`` when given measures each option's end-to-end damage.
     ``progress`` shows a bar over the options (the head: minutes on a CPU).
     ``only`` (option descriptions) measures just those (one rank's share).
+    ``sample_rows > 0`` measures a linear layer's options on a seeded random subset
+    of that many output rows (see :func:`output_row_sample`); options in ``kept``
+    are still quantized on every row.
     """
     from .convert import quantize_tensor
     from .safety import check_finite_weight
@@ -280,24 +317,34 @@ def measure_tensor(
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
     quant_gram = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
-    meter = _error_meter(w, gram, lookup.token_counts if lookup is not None and gram is None else None)
+    sample = output_row_sample(key, w, gram, sample_rows) if gram is not None and damage_fn is None else None
+    rows_idx, row_weights = sample if sample is not None else (None, None)
+    w_full = w
+    if rows_idx is not None:
+        w = w[rows_idx]
+    meter = _error_meter(w, gram, lookup.token_counts if lookup is not None and gram is None else None,
+                         row_weights)
     rec = TensorRecord(key, shape, role=role)
     fitting = fitting_options(options, shape[-1])
     if only is not None:
         fitting = [o for o in fitting if o.desc in only]
     factors: dict = {}
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
+        full = rows_idx is None or (kept is not None and opt.desc in kept)
+        wo = w_full if full else w
         if method == "gptq" and gram is not None and not opt.keep16:
-            qt = quantize_tensor(w, opt, gram, method="gptq", clip=clip, factor_cache=factors)
+            qt = quantize_tensor(wo, opt, gram, method="gptq", clip=clip, factor_cache=factors)
         else:
-            qt = quantize_weight(w, opt, gram=quant_gram, clip=clip)
+            qt = quantize_weight(wo, opt, gram=quant_gram, clip=clip)
         wq = qt.dequantize(mx.float32)
-        err, werr = meter(wq)
+        err, werr = meter(wq if rows_idx is None or not full else wq[rows_idx])
         clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
         damage = damage_fn(wq) if damage_fn is not None else None
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
         if kept is not None and opt.desc in kept:
             kept[opt.desc] = wq
+    if rows_idx is not None:
+        rec.extra["sampled_rows"] = int(rows_idx.shape[0])
     if stats is not None:
         rec.extra["act_energy"] = _energy_summary(stats)
         rec.extra["input_rows"] = int(stats.rows)
@@ -367,6 +414,36 @@ def head_logits(model: nn.Module, tokens: mx.array, hidden: mx.array) -> mx.arra
 def _nll_sum(logits: mx.array, tokens: mx.array) -> float:
     loss = nn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:], reduction="sum")
     return float(loss.item())
+
+
+def position_chunks(seq_len: int, chunk: int = HEAD_CHUNK) -> list[slice]:
+    """Consecutive position slices of at most ``chunk`` positions (the head runs on one at a time)."""
+    if chunk < 1:
+        raise ValueError(f"head chunk must be >= 1, got {chunk}")
+    return list(iter_batches(seq_len, chunk))
+
+
+def chunked_nll_sum(model: nn.Module, tokens: mx.array, hidden: mx.array, chunk: int = HEAD_CHUNK,
+                    flush: Callable[[], None] | None = None) -> float:
+    """Summed next-token NLL of ``tokens`` from final hidden states, the head run ``chunk`` positions at a time.
+
+    Equals ``_nll_sum(head_logits(model, tokens, hidden), tokens)`` (norm and head act per
+    position) without materialising more than ``[rows, chunk, vocab]`` logits.
+    ``flush`` is called after each chunk (a Gram collector watching the head).
+    """
+    seq = int(tokens.shape[1])
+    total = 0.0
+    for sl in position_chunks(seq, chunk):
+        n_t = min(sl.stop, seq - 1) - sl.start  # positions of this chunk that have a next token
+        logits = head_logits(model, tokens[:, sl], hidden[:, sl])
+        if n_t > 0:
+            loss = nn.losses.cross_entropy(logits[:, :n_t], tokens[:, sl.start + 1:sl.start + 1 + n_t],
+                                           reduction="sum")
+            total += float(loss.item())
+        if flush is not None:
+            flush()
+        del logits
+    return total
 
 
 # --------------------------------------------------------------------------
@@ -462,35 +539,62 @@ def _add_lookup_damage(head_fn: Callable[[mx.array], float], w: mx.array, lookup
 class _HeadKL:
     """End-to-end KL from the final hidden states of the importance rows: for carried perturbations and head options.
 
-    Holds the float32 reference log-probabilities one row at a time.
+    Runs the head ``chunk`` positions at a time and keeps the float32 reference
+    log-probabilities of the first chunks up to ``cache_bytes``; the others are
+    recomputed (with the original head) when needed, so memory stays bounded for
+    any vocabulary and number of rows at the cost of extra head matmuls.
     """
 
-    def __init__(self, model: nn.Module, tokens: mx.array, hidden: mx.array):
+    def __init__(self, model: nn.Module, tokens: mx.array, hidden: mx.array, chunk: int = HEAD_CHUNK,
+                 cache_bytes: int = REF_CACHE_BYTES):
         self.model, self.tokens, self.hidden = model, tokens, hidden
-        self.ref = []
-        for r in range(int(tokens.shape[0])):
-            lp = nn.log_softmax(head_logits(model, tokens[r:r + 1], hidden[r:r + 1]).astype(mx.float32), axis=-1)
-            mx.eval(lp)
+        self.chunks = [(r, sl) for r in range(int(tokens.shape[0])) for sl in position_chunks(int(tokens.shape[1]),
+                                                                                               chunk)]
+        self.ref: list[mx.array | None] = []
+        used, per_pos = 0, None
+        for r, sl in self.chunks:
+            lp = None
+            if per_pos is None or used + per_pos * (sl.stop - sl.start) <= cache_bytes:
+                lp = self._ref_logp(r, sl)
+                mx.eval(lp)
+                per_pos = lp.nbytes // (sl.stop - sl.start)
+                if used + lp.nbytes > cache_bytes:
+                    lp = None
+                else:
+                    used += lp.nbytes
             self.ref.append(lp)
+        self.cached_bytes = used
+        self.recomputed = sum(lp is None for lp in self.ref)
         self.positions = int(tokens.shape[0]) * int(tokens.shape[1])
 
-    def kl(self, hidden: mx.array) -> float:
-        """Mean KL per position when the final hidden states are ``hidden`` instead."""
+    def _ref_logp(self, r: int, sl: slice) -> mx.array:
+        logits = head_logits(self.model, self.tokens[r:r + 1, sl], self.hidden[r:r + 1, sl])
+        return nn.log_softmax(logits.astype(mx.float32), axis=-1)
+
+    def kl(self, hidden: mx.array, swap: tuple[nn.Module, mx.array] | None = None) -> float:
+        """Mean KL per position when the final hidden states are ``hidden`` (and ``swap=(mod, wq)`` sets a weight)."""
         total = 0.0
-        for r, lp in enumerate(self.ref):
-            total += _kl_rows(lp, head_logits(self.model, self.tokens[r:r + 1], hidden[r:r + 1])).item()
+        for (r, sl), lp in zip(self.chunks, self.ref):
+            if lp is None:
+                lp = self._ref_logp(r, sl)  # with the original weights
+            if swap is not None:
+                mod, wq = swap
+                w = mod.weight
+                mod.weight = wq
+                try:
+                    logits = head_logits(self.model, self.tokens[r:r + 1, sl], hidden[r:r + 1, sl])
+                    total += _kl_rows(lp, logits).item()
+                finally:
+                    mod.weight = w
+            else:
+                total += _kl_rows(lp, head_logits(self.model, self.tokens[r:r + 1, sl], hidden[r:r + 1, sl])).item()
         return total / self.positions
 
     def damage_fn(self, mod: nn.Module) -> Callable[[mx.array], float]:
         """``wq -> KL`` with the head (or tied embedding) weight of ``mod`` replaced by ``wq``."""
 
         def fn(wq: mx.array) -> float:
-            w = mod.weight
-            mod.weight = wq.astype(w.dtype)
-            try:
-                return self.kl(self.hidden)
-            finally:
-                mod.weight = w
+            return self.kl(self.hidden, swap=(mod, wq.astype(mod.weight.dtype)))
 
         return fn
 
@@ -568,6 +672,8 @@ def measure(
     method: str = "gptq",
     kl_scale: bool = True,
     progress: bool = True,
+    head_chunk: int = HEAD_CHUNK,
+    sample_rows: int = 0,
     _fail_after_layer: int | None = None,
 ) -> Measurement:
     """Measure every quantizable tensor of a model under every option of its grid role.
@@ -577,6 +683,9 @@ def measure(
     ``method``/``clip`` choose the quantizer whose errors are measured (default:
     the converter's, GPTQ with the clip search); ``kl_scale`` puts every
     importance in KL units and measures the head's options end to end.
+    ``head_chunk`` bounds the head's logits to ``[head_chunk, vocab]`` floats at a time.
+    ``sample_rows > 0`` measures each linear layer's options on that many random
+    output rows (the importance reference and the head's end-to-end options on all).
     """
     from . import calib as calib_mod
     from .grids import load_grid, role_of
@@ -634,6 +743,10 @@ def measure(
         "method": method,
         "complete": False,
     }
+    if sample_rows < 0:
+        raise ValueError(f"sample_rows must be >= 0, got {sample_rows}")
+    if sample_rows:  # only when set, so measurements without it keep their settings digest
+        m.extra["sample_rows"] = int(sample_rows)
     if kl_scale:
         m.extra["importance"]["kl_scale"] = {"samples": []}
     settings = _digest(m.model, m.calibration, m.grid, m.extra)
@@ -726,7 +839,8 @@ def measure(
             kept = {ref.desc: None}
             rec = measure_tensor(path, mod.weight, opts, col.stats.get(path), role, clip=clip, kept=kept,
                                  method=method, only={d for (p, d), r in owner.items()
-                                                          if p == path and r == dist.rank()} if owner else None)
+                                                          if p == path and r == dist.rank()} if owner else None,
+                                 sample_rows=sample_rows)
             records.append(rec)
             if importance == "residual" and owner and owner.get(
                     (path, ref.desc), owner.get((path, fitting_options(opts, int(mod.weight.shape[-1]))[0].desc))
@@ -787,19 +901,17 @@ def measure(
     nlls = []
     dist.set_stage("head")
     with GramCollector(head_mods, expert_mode) as head_col:
-        for sl in iter_batches(rows, 1):  # one row at a time: logits are [seq_len, vocab]
+        for sl in iter_batches(rows, 1):  # one row, head_chunk positions at a time: logits are [chunk, vocab]
             if not share.owns_row(sl.start):
                 continue
-            logits = head_logits(model, tokens[sl], hidden[sl])
-            nlls.append((sl.start, _nll_sum(logits, tokens[sl])))
-            share.flush(head_col, sl.start, owned=True)
-            del logits
+            nlls.append((sl.start, chunked_nll_sum(model, tokens[sl], hidden[sl], head_chunk,
+                                                   flush=lambda: share.flush(head_col, sl.start, owned=True))))
     dist.reduce_stats(head_col)
     nll = 0.0
     for _, v in sorted(x for part in dist.gather_objects(nlls) for x in part):  # row order, as one process sums
         nll += v
     m.base_perplexity = math.exp(nll / (rows * (seq_len - 1)))
-    head_kl = _HeadKL(model, tokens[:n_imp], hidden[:n_imp]) if kl_scale else None
+    head_kl = _HeadKL(model, tokens[:n_imp], hidden[:n_imp], head_chunk) if kl_scale else None
     scale = 1.0
     if kl_scale:
         info = m.extra["importance"]["kl_scale"]
@@ -826,7 +938,8 @@ def measure(
                 fn = _add_lookup_damage(fn, mod.weight, embed_lookup[path], embed_importance * scale)
         rec = measure_tensor(path, mod.weight, _grid_options(grid_map, role, path), stats, role,
                              lookup=lookup, clip=clip, method=method, damage_fn=fn, progress=progress,
-                             only={d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None)
+                             only={d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None,
+                             sample_rows=sample_rows)
         if stats is not None and path in embed_lookup:
             m.tied = {"lm_head": path}
             rec.extra["tied_head"] = True
@@ -898,12 +1011,13 @@ def tensor_kl(
     options: dict[str, QuantOption],
     clip: bool = True,
     progress: bool = False,
+    chunk: int = HEAD_CHUNK,
 ) -> dict[str, dict[str, float]]:
     """End-to-end KL(fp || quantized) per tensor when only that tensor is quantized with ``options[path]``.
 
     ``model`` has all weights loaded. Returns ``{path: {"kl", "err", "option"}}``
     where ``err`` is the tensor's relative output error on the same ``tokens``.
-    KL is the mean over all positions, in nats.
+    KL is the mean over all positions, in nats; the head runs ``chunk`` positions at a time.
     """
     layers = model.layers
     prefix = _layer_prefix(model, layers)
@@ -917,9 +1031,11 @@ def tensor_kl(
             mx.eval(h)
             col.flush()
             hs.append(h)
-        ref_logp = nn.log_softmax(head_logits(model, tokens, h), axis=-1)
-        mx.eval(ref_logp)
-        col.flush()
+        for r in range(int(tokens.shape[0])):  # the head's input Gram, chunk by chunk
+            for sl in position_chunks(int(tokens.shape[1]), chunk):
+                mx.eval(head_logits(model, tokens[r:r + 1, sl], h[r:r + 1, sl]))
+                col.flush()
+    ref = _HeadKL(model, tokens, h, chunk)
     out = {}
     for path in tqdm(list(mods), desc="kl", disable=not progress):
         mod = mods[path]
@@ -932,16 +1048,17 @@ def tensor_kl(
             if path.startswith(prefix):
                 i = int(path[len(prefix):].split(".")[0])
                 x = hs[i]
-                for j in range(i, len(layers)):
-                    args, kwargs = calls[j]
-                    x = layer_out = layers[j](x, *args, **kwargs).astype(mx.float32)
-                logits = head_logits(model, tokens, layer_out)
-            else:  # embedding or head: the whole model
-                logits = model(tokens).astype(mx.float32)
-            logp = nn.log_softmax(logits, axis=-1)
-            kl = float((mx.exp(ref_logp) * (ref_logp - logp)).sum(-1).mean().item())
+            elif not isinstance(mod, nn.Embedding):  # an untied head: the final hidden states as they are
+                i, x = len(layers), hs[-1]
+            else:  # embedding (perhaps tied): the whole model from the quantized lookup on
+                i, x = 0, probe_layers(model, tokens)[0]
+            for j in range(i, len(layers)):
+                args, kwargs = calls[j]
+                x = layers[j](x, *args, **kwargs).astype(mx.float32)
+            mx.eval(x)
         finally:
             mod.weight = w
+        kl = ref.kl(x, swap=None if path.startswith(prefix) else (mod, wq))
         if stats is not None:
             err = output_error(w, wq, stats.gram if stats.gram.ndim == 2 or stats.gram.shape[0] > 1 else stats.gram[0])
         else:

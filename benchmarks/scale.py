@@ -1,0 +1,270 @@
+"""Cost of measure and convert at real model shapes, extrapolated to the full depth.
+
+Builds random-weight models on disk (bfloat16 safetensors, a few decoder
+layers, the real vocabulary) at the shapes of Llama-3-8B, Llama-3-70B and a
+0.5B-class model with a 151,936-token vocabulary, then runs ``measure`` and
+``convert`` on each in a child process (so each peak RSS is its own) and
+prints, per decoder layer and for the head stage: seconds, multiply-adds
+(counted from the shapes: the forward, plus out x in^2 per option per tensor
+for GPTQ and the exact error), achieved FLOP/s against a plain float32
+``mx.matmul`` on the same device, the numpy share of measure time and the peak
+RSS (sampled every 20 ms); then totals extrapolated to the full depth.
+
+Numpy share: own time (cProfile) of numpy functions and of ``gptq_core``
+(whose ndarray operators do not show up as calls) over the profiled measure time.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python benchmarks/scale.py --shapes 0.5b --method rtn --grid fast --rows 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = {  # hidden, intermediate, heads, kv heads, vocabulary, full depth, tied
+    "tiny": dict(hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=8192, depth=4, tie=False,
+                 model_type="llama"),  # a smoke test of this script
+    "0.5b": dict(hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936, depth=24, tie=False,
+                 model_type="qwen2"),
+    "8b": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, depth=32, tie=False,
+               model_type="llama"),
+    "70b": dict(hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=128256, depth=80, tie=False,
+                model_type="llama"),
+}
+
+BUILD = r"""
+import json, sys
+from pathlib import Path
+import mlx.core as mx
+sys.path.insert(0, sys.argv[3])
+from fixtures_models import save_tokenizer, tiny_config
+folder, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
+cfg = tiny_config(spec["model_type"], spec["layers"], hidden=spec["hidden"], intermediate=spec["intermediate"],
+                  heads=spec["heads"], kv_heads=spec["kv_heads"], tie=spec["tie"])
+cfg["vocab_size"] = spec["vocab"]
+folder.mkdir(parents=True, exist_ok=True)
+(folder / "config.json").write_text(json.dumps(cfg, indent=2))
+h, f, d = spec["hidden"], spec["intermediate"], spec["hidden"] // spec["heads"]
+shapes = {"model.embed_tokens.weight": (spec["vocab"], h), "model.norm.weight": (h,)}
+if not spec["tie"]:
+    shapes["lm_head.weight"] = (spec["vocab"], h)
+for i in range(spec["layers"]):
+    p = f"model.layers.{i}."
+    shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (spec["heads"] * d, h),
+                   p + "self_attn.k_proj.weight": (spec["kv_heads"] * d, h),
+                   p + "self_attn.v_proj.weight": (spec["kv_heads"] * d, h),
+                   p + "self_attn.o_proj.weight": (h, spec["heads"] * d),
+                   p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                   p + "mlp.down_proj.weight": (h, f)})
+    if spec["model_type"] == "qwen2":
+        shapes.update({p + "self_attn.q_proj.bias": (spec["heads"] * d,),
+                       p + "self_attn.k_proj.bias": (spec["kv_heads"] * d,),
+                       p + "self_attn.v_proj.bias": (spec["kv_heads"] * d,)})
+mx.random.seed(0)
+weights = {}
+for k, s in shapes.items():
+    if k.endswith("norm.weight"):
+        weights[k] = (1.0 + 0.1 * mx.random.normal(s)).astype(mx.bfloat16)
+    elif k.endswith(".bias"):
+        weights[k] = (0.05 * mx.random.normal(s)).astype(mx.bfloat16)
+    else:
+        weights[k] = (mx.random.normal(s) / (s[-1] ** 0.5)).astype(mx.bfloat16)
+    mx.eval(weights[k])
+mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+save_tokenizer(folder)
+print(folder)
+"""
+
+CHILD = r"""
+import cProfile, json, pstats, resource, sys, threading, time
+import mlx.core as mx
+folder, args = sys.argv[1], json.loads(sys.argv[2])
+samples, stop = [], threading.Event()
+def sample():
+    while not stop.is_set():
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    samples.append((time.perf_counter(), int(line.split()[1]) / 1024))
+        stop.wait(0.02)
+threading.Thread(target=sample, daemon=True).start()
+t0 = time.perf_counter()
+out = {}
+if args["stage"] == "measure":
+    import mlx_dq.measure as mm
+    from mlx_dq.measure import measure
+    orig_save = mm.save_measurement
+    marks = []
+    def save(m, p):
+        orig_save(m, p)
+        marks.append(time.perf_counter() - t0)
+    mm.save_measurement = save
+    prof = cProfile.Profile()
+    prof.enable()
+    m = measure(folder, grid=args["grid"], rows=args["rows"], seq_len=args["seq_len"], method=args["method"],
+                out_path=args["out"], progress=False, **({"head_chunk": args["head_chunk"]} if args["head_chunk"] else {}))
+    prof.disable()
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values())
+    npy = sum(v[2] for k, v in st.stats.items()
+              if "numpy" in k[0] or "numpy" in k[2] or k[2] == "gptq_core")
+    out["numpy_share"] = npy / total if total else 0.0
+    out["timing"] = m.extra["timing"]
+    out["marks"] = marks
+    out["options"] = {k: len(t.options) for k, t in m.tensors.items()}
+else:
+    from mlx_dq.convert import convert
+    convert(folder, args["out"], bpw=args["bpw"], measurement=args["measurement"], rows=args["rows"],
+            seq_len=args["seq_len"], method=args["method"], progress=False, force=True)
+out["seconds"] = time.perf_counter() - t0
+stop.set()
+out["t0"] = t0
+out["rss"] = [(round(t - t0, 3), round(r, 1)) for t, r in samples]
+out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print("RESULT " + json.dumps(out))
+"""
+
+
+def matmul_flops(n: int = 2048) -> float:
+    """FLOP/s of a plain float32 ``mx.matmul`` [n, n] x [n, n] on the default device (best of 3)."""
+    import mlx.core as mx
+
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    mx.eval(a @ b)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def layer_tensors(s: dict) -> list[tuple[int, int]]:
+    """(out, in) of each quantizable tensor of one decoder layer."""
+    h, f, d = s["hidden"], s["intermediate"], s["hidden"] // s["heads"]
+    return [(s["heads"] * d, h), (s["kv_heads"] * d, h), (s["kv_heads"] * d, h), (h, s["heads"] * d),
+            (f, h), (f, h), (h, f)]
+
+
+def layer_macs(s: dict, tokens: int, options: int, method: str) -> float:
+    """Multiply-adds of measuring one decoder layer: forward + Gram + per option (GPTQ) and exact error."""
+    ts = layer_tensors(s)
+    params = sum(o * i for o, i in ts)
+    fwd = tokens * params + sum(tokens * i * i for _, i in ts[::3])  # forward; Grams of the 3 distinct inputs
+    per_opt = sum(o * i * i for o, i in ts) * (2 if method == "gptq" else 1)  # GPTQ updates + error d G d^T
+    return fwd + options * per_opt
+
+
+def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str) -> float:
+    """Multiply-adds of the head stage: logits of every row, then per head option its KL and errors."""
+    v, h = s["vocab"], s["hidden"]
+    per_opt = v * h * h * (2 if method == "gptq" else 1) + imp_tokens * v * h * 2  # error + KL (ref recomputed)
+    return tokens * v * h + options * per_opt
+
+
+def run_child(code: str, folder: Path, args: dict, src: Path = ROOT) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    res = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(args)], capture_output=True, text=True,
+                         env=env)
+    if res.returncode != 0:
+        raise SystemExit(f"child failed:\n{res.stderr[-3000:]}")
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def peak_between(rss: list, a: float, b: float) -> float:
+    vals = [r for t, r in rss if a <= t <= b]
+    return max(vals) if vals else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="0.5b", help="comma-separated: " + ",".join(SHAPES))
+    ap.add_argument("--layers", type=int, default=1, help="decoder layers built (1-2)")
+    ap.add_argument("--rows", type=int, default=16, help="calibration rows (measure's default: 16)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--method", default="gptq", choices=["gptq", "rtn"])
+    ap.add_argument("--grid", default=None, help="default, fast or a JSON file")
+    ap.add_argument("--head-chunk", type=int, default=0, help="positions per head call (0: the default)")
+    ap.add_argument("--no-convert", action="store_true", help="measure only")
+    ap.add_argument("--bpw", type=float, default=3.5)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--code", default=str(ROOT), help="folder holding the mlx_dq package to run (before/after)")
+    ap.add_argument("--keep", default=None, help="build the models in this folder and keep them")
+    args = ap.parse_args()
+    flops = matmul_flops()
+    print(f"plain float32 mx.matmul on {__import__('mlx.core').core.default_device()}: {flops / 1e9:.1f} GFLOP/s")
+    results = {"matmul_flops": flops, "args": vars(args), "shapes": {}}
+    with tempfile.TemporaryDirectory() as td:
+        base = Path(args.keep or td)
+        for name in args.shapes.split(","):
+            s = dict(SHAPES[name], layers=args.layers)
+            folder = base / f"scale-{name}-{args.layers}l"
+            if not (folder / "model.safetensors").exists():
+                subprocess.run([sys.executable, "-c", BUILD, str(folder), json.dumps(s), str(ROOT / "tests")],
+                               check=True, capture_output=True)
+            mpath = base / f"{name}.measurement.json"
+            mpath.unlink(missing_ok=True)
+            meas = run_child(CHILD, folder, {"stage": "measure", "grid": args.grid, "rows": args.rows,
+                                             "seq_len": args.seq_len, "method": args.method, "out": str(mpath),
+                                             "head_chunk": args.head_chunk}, Path(args.code))
+            tokens = args.rows * args.seq_len
+            imp_tokens = min(4, args.rows) * args.seq_len
+            opts = max(meas["options"].values())
+            lay = meas["timing"]["layers_s"]
+            rows_out = []
+            print(f"\n== {name}: hidden {s['hidden']}, intermediate {s['intermediate']}, vocab {s['vocab']}, "
+                  f"{args.layers} layer(s) built, full depth {s['depth']}; {args.method}, grid {args.grid or 'default'}, "
+                  f"{args.rows} x {args.seq_len} tokens")
+            print(f"{'stage':>8} {'seconds':>8} {'GMAC':>9} {'GFLOP/s':>8} {'of matmul':>9} {'peak RSS MB':>11}")
+            marks = meas["marks"]  # end of each layer's save, then the final save
+            for i, sec in enumerate(lay):
+                macs = layer_macs(s, tokens, opts, args.method)
+                rss = peak_between(meas["rss"], marks[i] - sec, marks[i])
+                rows_out.append({"stage": f"layer {i}", "seconds": sec, "macs": macs, "peak_rss_mb": rss})
+            head_s = marks[-1] - marks[len(lay) - 1]
+            setup = meas["seconds"] - sum(lay) - head_s
+            head_opts = sum(v for k, v in meas["options"].items() if ".layers." not in k)
+            hm = head_macs(s, tokens, imp_tokens, head_opts, args.method)
+            rows_out.append({"stage": "head", "seconds": head_s, "macs": hm,
+                             "peak_rss_mb": peak_between(meas["rss"], marks[len(lay) - 1], marks[-1] + 0.1)})
+            for r in rows_out:
+                fl = 2 * r["macs"] / r["seconds"] if r["seconds"] > 0 else 0.0
+                r["flops"] = fl
+                print(f"{r['stage']:>8} {r['seconds']:>8.1f} {r['macs'] / 1e9:>9.1f} {fl / 1e9:>8.2f} "
+                      f"{fl / flops:>8.1%} {r['peak_rss_mb']:>11.0f}")
+            print(f"{'setup':>8} {setup:>8.1f}   (loading, calibration text, embedding)")
+            per_layer = sum(lay) / len(lay)
+            total_measure = setup + per_layer * s["depth"] + head_s
+            print(f"measure: {meas['seconds']:.1f} s here, peak RSS {meas['peak_rss_mb']:.0f} MB, "
+                  f"numpy share {meas['numpy_share']:.1%}; extrapolated to {s['depth']} layers: "
+                  f"{total_measure / 60:.1f} min")
+            res = {"shape": s, "measure": {k: v for k, v in meas.items() if k != "rss"}, "stages": rows_out,
+                   "extrapolated_measure_s": total_measure}
+            if not args.no_convert:
+                conv = run_child(CHILD, folder, {"stage": "convert", "out": str(base / f"{name}-q"), "bpw": args.bpw,
+                                                 "measurement": str(mpath), "rows": args.rows,
+                                                 "seq_len": args.seq_len, "method": args.method},
+                                 Path(args.code))
+                per = conv["seconds"] / (args.layers + 1)
+                print(f"convert at {args.bpw} bpw: {conv['seconds']:.1f} s here ({per:.1f} s per stage of "
+                      f"{args.layers} layer(s) + head), peak RSS {conv['peak_rss_mb']:.0f} MB; extrapolated to "
+                      f"{s['depth']} layers: {per * (s['depth'] + 1) / 60:.1f} min")
+                res["convert"] = {k: v for k, v in conv.items() if k != "rss"}
+            results["shapes"][name] = res
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Predicted cost of ``measure`` and ``convert`` from the model's shapes alone (no weights loaded).
+
+The work is counted in multiply-adds from the tensor shapes (the skeleton is
+built lazily: MLX arrays are never evaluated), turned into time with the
+machine's float32 matmul rate (timed here in a fraction of a second, or given),
+and the peak memory and disk follow the streaming design: one decoder layer in
+float32, the calibration rows' hidden states, the embedding/head in float32,
+the head's logits ``HEAD_CHUNK`` positions at a time and the head-KL reference
+cache. The time is a floor (matmul-bound work at the plain-matmul rate): the
+quantizers' bookkeeping makes real runs slower; ``TIME_FACTOR`` is the ratio
+observed on the benchmark machine (see ``benchmarks/scale.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+BASE_RSS = 600 * 2**20  # Python, MLX, mlx-lm, tokenizer: measured on an empty measure run
+TIME_FACTOR = 3.0  # real seconds / matmul-bound seconds observed on a 2-core CPU (GPTQ bookkeeping, small matmuls)
+FIXED_S = 5.0  # start-up: imports, tokenizer, calibration text
+OPTION_S = {"rtn": 0.1, "gptq": 0.3}  # per (tensor, option) overhead that does not scale with the shapes
+TENSOR_S = 0.15  # per tensor overhead of convert
+JSON_BYTES_PER_OPTION = 600  # measurement JSON per (tensor, option)
+QUANT_COPIES = 6  # float32 copies of the largest tensor alive while it is quantized (GPTQ working arrays)
+
+
+@dataclass
+class Estimate:
+    """Predicted work, time, peak memory and disk of one run."""
+
+    what: str
+    macs: float = 0.0
+    measurements: int = 0  # (tensor, option) errors measured
+    seconds: float = 0.0
+    peak_bytes: int = 0
+    disk_bytes: int = 0
+    flops: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        """Human-readable summary, one fact a line."""
+        return [
+            f"{self.what}: {self.macs / 1e12:.2f} T multiply-adds"
+            + (f", {self.measurements} (tensor, option) errors" if self.measurements else ""),
+            f"  time: about {_fmt_s(self.seconds)} at {self.flops / 1e9:.1f} GFLOP/s float32 matmul "
+            f"(x{TIME_FACTOR:g} for the quantizers' own overhead)",
+            f"  peak memory: about {self.peak_bytes / 2**30:.2f} GiB",
+            f"  disk: about {self.disk_bytes / 2**20:.1f} MiB written",
+        ]
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
+
+
+def matmul_flops(n: int = 1024) -> float:
+    """FLOP/s of a plain float32 ``mx.matmul`` [n, n] x [n, n] on the default device (best of 3)."""
+    import mlx.core as mx
+
+    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
+    mx.eval(a, b, a @ b)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        mx.eval(a @ b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def _shapes(source: Any) -> tuple[list[list[tuple[str, tuple[int, ...]]]], list[tuple[str, tuple[int, ...]]], int]:
+    """Per decoder layer the (path, weight shape) of its quantizable tensors, the other ones, and the hidden size."""
+    import mlx.core as mx  # noqa: F401  (the skeleton's arrays stay unevaluated)
+
+    from .capture import quantizable_modules
+    from .grids import role_of
+    from .measure import _align_to_source, _layer_prefix
+    from .sources import build_model
+
+    model = build_model(source.config)
+    _align_to_source(model, source.weight_names())
+    prefix = _layer_prefix(model, model.layers)
+    layers = [[(p, tuple(int(d) for d in m.weight.shape))
+               for p, m in quantizable_modules(layer, prefix=f"{prefix}{i}.").items() if role_of(p) is not None]
+              for i, layer in enumerate(model.layers)]
+    other = [(p, tuple(int(d) for d in m.weight.shape)) for p, m in quantizable_modules(model).items()
+             if not p.startswith(prefix) and role_of(p) is not None]
+    hidden = int(source.config.get("hidden_size") or other[0][1][-1])
+    return layers, other, hidden
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _fitting(grid: dict, path: str, in_f: int) -> list:
+    from .grids import role_of
+    from .options import QuantOption
+
+    return [o for o in grid[role_of(path)] if o.fits(in_f)] or [QuantOption.fp16()]
+
+
+def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: Any = None, method: str = "gptq",
+                     importance_rows: int = 4, kl_scale: bool = True, sample_rows: int = 0,
+                     flops: float | None = None) -> Estimate:
+    """Predicted cost of :func:`mlx_dq.measure.measure` with these settings (shapes only)."""
+    from .grids import load_grid
+    from .measure import HEAD_CHUNK, REF_CACHE_BYTES
+
+    grid_map = grid if isinstance(grid, dict) else load_grid(grid)
+    layers, other, hidden = _shapes(source)
+    tokens, imp = rows * seq_len, min(importance_rows, rows) * seq_len
+    per_opt = 2 if method == "gptq" else 1  # GPTQ updates + exact error; rounding: the error only
+    macs, n_meas, biggest_layer = 0.0, 0, 0
+    for tensors in layers:
+        params = sum(_numel(s) for _, s in tensors)
+        biggest_layer = max(biggest_layer, params)
+        macs += 2 * tokens * params + 3 * imp * params  # forward (+ the layer's Grams), importance reruns
+        for path, s in tensors:
+            opts = _fitting(grid_map, path, s[-1])
+            n_meas += len(opts)
+            out = min(s[-2], sample_rows) if sample_rows else s[-2]
+            macs += (len(opts) - 1) * out * s[-1] ** 2 * per_opt + s[-2] * s[-1] ** 2 * per_opt
+    vocab = max((s[0] for _, s in other), default=0)
+    heads = [(p, s) for p, s in other]
+    macs += tokens * vocab * hidden  # logits of every row (perplexity and the head's Gram)
+    head_extra = 0
+    for path, s in heads:
+        opts = _fitting(grid_map, path, s[-1])
+        n_meas += len(opts)
+        macs += len(opts) * s[-2] * s[-1] ** 2 * per_opt
+        if kl_scale:
+            cached = min(REF_CACHE_BYTES, imp * vocab * 4)
+            recompute = 1 - cached / max(1, imp * vocab * 4)
+            macs += len(opts) * imp * vocab * hidden * (1 + recompute)  # each option's KL (+ recomputed refs)
+            head_extra = cached
+    f = flops or matmul_flops()
+    other_f32 = sum(4 * _numel(s) for _, s in other)
+    largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
+    states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
+    logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
+    peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + QUANT_COPIES * 4 * largest + logits + head_extra
+    disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON
+    seconds = TIME_FACTOR * 2 * macs / f + FIXED_S + OPTION_S.get(method, 0.3) * n_meas
+    return Estimate("measure", macs=macs, measurements=n_meas, seconds=seconds, peak_bytes=peak,
+                    disk_bytes=int(disk), flops=f,
+                    detail={"layers": len(layers), "tokens": tokens, "vocab": vocab, "largest_tensor": largest})
+
+
+KL_STATE = 8  # perturbed copies of the importance rows carried for the KL scale (KL_SAMPLE_LAYERS)
+
+
+def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len: int = 512, method: str = "gptq",
+                     measure_first: bool = True, measure_kwargs: dict | None = None,
+                     measurement_bytes: int | None = None,
+                     flops: float | None = None) -> tuple[Estimate, Estimate | None]:
+    """Predicted cost of :func:`mlx_dq.convert.convert` (and of the measurement it runs first when none is given).
+
+    ``measurement_bytes``: size of a given measurement file (copied into the output).
+    """
+    layers, other, hidden = _shapes(source)
+    f = flops or matmul_flops()
+    meas = estimate_measure(source, method=method, flops=f, **(measure_kwargs or {})) if measure_first else None
+    tokens = rows * seq_len
+    per_q = 1 if method == "gptq" else 0
+    macs, biggest_layer = 0.0, 0
+    quant_params = 0
+    for tensors in layers:
+        params = sum(_numel(s) for _, s in tensors)
+        quant_params += params
+        biggest_layer = max(biggest_layer, params)
+        macs += 2 * tokens * params  # forward + Grams, then the sequential forward with quantized weights
+        macs += sum(_numel(s) * s[-1] for _, s in tensors) * per_q
+    vocab = max((s[0] for _, s in other), default=0)
+    macs += tokens * vocab * hidden + sum(_numel(s) * s[-1] for _, s in other) * per_q
+    quant_params += sum(_numel(s) for _, s in other)
+    total_params = sum(_numel(s) for _, s in _all_params(source))
+    bits = bpw if bpw is not None else 16.0
+    n_tensors = sum(len(t) for t in layers) + len(other)
+    if measurement_bytes is None:  # the measurement JSON is copied into the output
+        n_opts = (meas or estimate_measure(source, method=method, flops=f, **(measure_kwargs or {}))).measurements
+        measurement_bytes = JSON_BYTES_PER_OPTION * n_opts
+    disk = quant_params * bits / 8 + (total_params - quant_params) * 2 + _side_bytes(source) \
+        + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
+    largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
+    peak = BASE_RSS + sum(4 * _numel(s) for _, s in other) + 2 * 4 * biggest_layer + 4 * tokens * hidden * 2 \
+        + QUANT_COPIES * 4 * largest + 4 * 128 * vocab * 2
+    if meas is not None:
+        peak = max(peak, meas.peak_bytes)
+    est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,
+                   seconds=TIME_FACTOR * 2 * macs / f + FIXED_S + TENSOR_S * n_tensors, peak_bytes=peak, disk_bytes=int(disk), flops=f,
+                   detail={"quantized_params": quant_params, "bpw": bits})
+    return est, meas
+
+
+def _all_params(source: Any) -> list[tuple[str, tuple[int, ...]]]:
+    from mlx.utils import tree_flatten
+
+    from .measure import _align_to_source
+    from .sources import build_model
+
+    model = build_model(source.config)
+    _align_to_source(model, source.weight_names())
+    return [(k, tuple(int(d) for d in v.shape)) for k, v in tree_flatten(model.parameters())]
+
+
+def _side_bytes(source: Any) -> int:
+    """Bytes of the source folder's files other than weights (tokenizer, config), copied into the output."""
+    from pathlib import Path
+
+    path = Path(getattr(source, "path", "") or "")
+    if not path.is_dir():
+        return 2**20
+    return sum(f.stat().st_size for f in path.iterdir()
+               if f.is_file() and not f.name.endswith((".safetensors", ".gguf", ".bin", ".pt", ".pth")))

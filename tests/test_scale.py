@@ -1,0 +1,260 @@
+"""Cost at scale: the head runs in chunks of positions, with the same results as in one piece."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from fixtures_models import random_weights, save_tokenizer, tiny_config
+from mlx_dq import measure as measure_mod
+from mlx_dq.measure import measure
+
+GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "1.0:8b_64g"]}
+BIG_VOCAB = 2048  # > the tokenizer's 320: rows only use the first ids, the head still has every row
+
+
+def _big_vocab_folder(tmp: Path, model_type: str, tie: bool) -> Path:
+    """A 1-layer model whose head has BIG_VOCAB rows (the tokenizer keeps its small vocabulary)."""
+    cfg = tiny_config(model_type, 1, tie=tie)
+    cfg["vocab_size"] = BIG_VOCAB
+    folder = tmp / f"{model_type}-bigvocab-{'tied' if tie else 'untied'}"
+    folder.mkdir(parents=True)
+    weights = random_weights(cfg, seed=3)
+    if tie:
+        weights.pop("lm_head.weight", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    save_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def grid_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("grid") / "grid.json"
+    path.write_text(json.dumps({"description": "test grid", "roles": GRID}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def big_vocab(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("bigvocab")
+    return {"untied": _big_vocab_folder(tmp, "llama", tie=False), "tied": _big_vocab_folder(tmp, "qwen2", tie=True)}
+
+
+def _spy_head(monkeypatch) -> list[int]:
+    """Record the number of positions of every head call (and still run it)."""
+    seen: list[int] = []
+    orig = measure_mod.head_logits
+
+    def spy(model, tokens, hidden):
+        seen.append(int(tokens.shape[0]) * int(tokens.shape[1]))
+        return orig(model, tokens, hidden)
+
+    monkeypatch.setattr(measure_mod, "head_logits", spy)
+    return seen
+
+
+def _run(folder: Path, grid_file: Path, **kw):
+    return measure(str(folder), grid=str(grid_file), rows=3, seq_len=48, batch_size=2, importance_rows=2,
+                   method="rtn", progress=False, **kw)
+
+
+def _assert_same(a, b, rel: float = 1e-4) -> None:
+    assert a.base_perplexity == pytest.approx(b.base_perplexity, rel=rel)
+    assert a.extra["importance"]["kl_scale"]["scale"] == pytest.approx(b.extra["importance"]["kl_scale"]["scale"],
+                                                                       rel=rel)
+    assert set(a.tensors) == set(b.tensors)
+    for key, ta in a.tensors.items():
+        tb = b.tensors[key]
+        assert ta.importance == pytest.approx(tb.importance, rel=rel, abs=1e-9), key
+        for oa, ob in zip(ta.options, tb.options):
+            assert oa.option.desc == ob.option.desc
+            assert oa.err == pytest.approx(ob.err, rel=rel, abs=1e-9), (key, oa.option.desc)
+            if oa.damage is None:
+                assert ob.damage is None
+            else:
+                assert oa.damage == pytest.approx(ob.damage, rel=1e-3, abs=1e-7), (key, oa.option.desc)
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_chunked_head_equals_one_piece(big_vocab, grid_file, monkeypatch, kind):
+    """Head chunks of 7 positions with a tiny reference cache give the one-piece head's numbers."""
+    whole = _run(big_vocab[kind], grid_file, head_chunk=48)
+    seen = _spy_head(monkeypatch)
+    monkeypatch.setattr(measure_mod, "REF_CACHE_BYTES", 3 * 7 * BIG_VOCAB * 4)  # 3 of the 14 chunks kept
+    made = []
+    orig_init = measure_mod._HeadKL.__init__
+
+    def init(self, *a, **k):
+        k["cache_bytes"] = measure_mod.REF_CACHE_BYTES
+        orig_init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(measure_mod._HeadKL, "__init__", init)
+    chunked = _run(big_vocab[kind], grid_file, head_chunk=7)
+    assert seen and max(seen) <= 7  # no head call ever saw more than 7 positions
+    assert made and made[0].recomputed > 0 and made[0].cached_bytes <= measure_mod.REF_CACHE_BYTES
+    assert made[0].cached_bytes > 0
+    head = "lm_head" if kind == "untied" else "model.embed_tokens"
+    assert all(o.damage is not None for o in chunked.tensors[head].options)
+    _assert_same(chunked, whole)
+
+
+def test_chunked_tensor_kl_equals_direct(big_vocab):
+    """``tensor_kl`` with small head chunks equals the KL computed from whole-model logits."""
+    import mlx.nn as nn
+
+    from mlx_dq.capture import quantizable_modules
+    from mlx_dq.options import QuantOption
+    from mlx_dq.quant import quantize_weight
+    from mlx_dq.sources import resolve
+
+    source = resolve(str(big_vocab["tied"]))
+    model = source.model(mx.float32)
+    tokens = mx.array(__import__("numpy").random.default_rng(0).integers(0, 320, size=(2, 40)).astype("int32"))
+    mods = {p: m for p, m in quantizable_modules(model).items() if p in ("model.embed_tokens", "model.layers.0.mlp.up_proj")}
+    opts = {p: QuantOption.parse("1.0:2b_64g") for p in mods}
+    got = measure_mod.tensor_kl(model, tokens, mods, opts, clip=False, chunk=9)
+    ref = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+    for path, mod in mods.items():  # plain rounding (no clip, single option): the Gram plays no part
+        w = mod.weight
+        mod.weight = quantize_weight(w, opts[path], clip=False).dequantize(mx.float32)
+        try:
+            logp = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+        finally:
+            mod.weight = w
+        kl = float((mx.exp(ref) * (ref - logp)).sum(-1).mean().item())
+        assert kl > 0 and got[path]["kl"] == pytest.approx(kl, rel=1e-3), path
+
+
+def test_head_chunk_must_be_positive(big_vocab, grid_file):
+    with pytest.raises(ValueError, match="head chunk"):
+        _run(big_vocab["untied"], grid_file, head_chunk=0)
+
+
+# -- output-row subsampling ---------------------------------------------------------------------------------
+
+
+def test_row_sample_is_seeded_stratified_and_bounded():
+    import numpy as np
+
+    from mlx_dq.measure import output_row_sample
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((1000, 64)).astype("float32")
+    w[[7, 500]] *= 50  # two rows carry most of the output energy: always in the sample
+    w, g = mx.array(w), mx.eye(64)
+    a, wa = output_row_sample("model.layers.0.mlp.up_proj", w, g, 100)
+    b, _ = output_row_sample("model.layers.0.mlp.up_proj", w, g, 100)
+    c, _ = output_row_sample("model.layers.1.mlp.up_proj", w, g, 100)
+    ia = a.tolist()
+    assert len(ia) == 100 == len(set(ia)) and max(ia) < 1000 and ia == sorted(ia)
+    assert ia == b.tolist() and ia != c.tolist()
+    assert 7 in ia and 500 in ia
+    wl = dict(zip(ia, wa.tolist()))
+    assert wl[7] == 1.0 and sum(x == 1.0 for x in wl.values()) == 25
+    assert sum(wl.values()) == pytest.approx(1000)  # the weights count every row once
+    assert output_row_sample("x", w[:100], g, 100) is None and output_row_sample("x", w, g, 0) is None
+
+
+@pytest.mark.parametrize("method,clip", [("rtn", True), ("gptq", True)])
+def test_sampled_rows_error_equals_full_quantization_on_those_rows(method, clip):
+    """Rows are independent: the subset's error equals the full quantization's error restricted to those rows."""
+    import numpy as np
+
+    from mlx_dq.capture import InputStats
+    from mlx_dq.convert import quantize_tensor
+    from mlx_dq.measure import measure_tensor, output_row_sample
+    from mlx_dq.options import QuantOption
+    from mlx_dq.quant import output_error
+
+    rng = np.random.default_rng(1)
+    w = mx.array(rng.standard_normal((300, 128)).astype("float32"))
+    x = rng.standard_normal((512, 128)).astype("float32") * np.linspace(0.2, 3, 128, dtype="float32")
+    gram = mx.array(x.T @ x)
+    opts = [QuantOption.parse(d) for d in ("1.0:2b_64g", "1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g")]
+    kept = {"1.0:3b_64g": None}
+    rec = measure_tensor("t", w, opts, InputStats(gram=gram, rows=512), "default", clip=clip, method=method,
+                         kept=kept, sample_rows=64)
+    idx, rw = output_row_sample("t", w, gram, 64)
+    assert rec.extra["sampled_rows"] == 64 and kept["1.0:3b_64g"].shape == (300, 128)
+    for o in rec.options:
+        wq = quantize_tensor(w, o.option, gram, method=method, clip=clip).dequantize(mx.float32)
+        d, ws = (wq - w)[idx], w[idx]
+        want = float(mx.sqrt((rw * ((d @ gram) * d).sum(1)).sum() / (rw * ((ws @ gram) * ws).sum(1)).sum()).item())
+        assert o.err == pytest.approx(want, rel=1e-3), o.option.desc
+        assert abs(o.err - output_error(w, wq, gram)) < 0.15 * output_error(w, wq, gram)  # an estimate of the whole
+
+
+def test_measure_records_sample_rows_in_its_settings(big_vocab, grid_file):
+    plain = _run(big_vocab["untied"], grid_file, kl_scale=False)
+    sampled = _run(big_vocab["untied"], grid_file, kl_scale=False, sample_rows=64)
+    assert "sample_rows" not in plain.extra and sampled.extra["sample_rows"] == 64
+    assert plain.extra["settings_digest"] != sampled.extra["settings_digest"]
+    up = "model.layers.0.mlp.up_proj"  # 256 output rows: measured on 64
+    assert sampled.tensors[up].extra["sampled_rows"] == 64 and "sampled_rows" not in plain.tensors[up].extra
+    assert sampled.tensors["lm_head"].extra["sampled_rows"] == 64
+    assert sampled.tensors[up].options[0].err != plain.tensors[up].options[0].err
+    with pytest.raises(ValueError, match="sample_rows"):
+        _run(big_vocab["untied"], grid_file, sample_rows=-1)
+
+
+# -- --estimate ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_estimate_matches_a_real_run(big_vocab, grid_file, tmp_path, method):
+    """Work counts exactly, MLX memory and disk closely, time loosely (a shared machine)."""
+    import time
+
+    from mlx_dq.convert import convert
+    from mlx_dq.estimate import BASE_RSS, estimate_convert, estimate_measure
+    from mlx_dq.evaluate import folder_bytes
+    from mlx_dq.sources import resolve
+
+    folder = big_vocab["untied"]
+    src = resolve(str(folder))
+    est = estimate_measure(src, rows=4, seq_len=64, grid=str(grid_file), method=method)
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    m = measure(str(folder), grid=str(grid_file), rows=4, seq_len=64, method=method, progress=False,
+                out_path=tmp_path / "m.json")
+    took = time.perf_counter() - t
+    assert est.measurements == sum(len(t.options) for t in m.tensors.values())
+    mem = mx.get_peak_memory()
+    assert 0.5 * mem < est.peak_bytes - BASE_RSS < 2.0 * mem, (est.peak_bytes - BASE_RSS, mem)
+    assert took / 4 < est.seconds < took * 4, (est.seconds, took)
+    conv, meas = estimate_convert(src, bpw=3.5, rows=4, seq_len=64, method=method, measure_first=False,
+                                  measurement_bytes=(tmp_path / "m.json").stat().st_size, flops=est.flops)
+    assert meas is None
+    mx.reset_peak_memory()
+    convert(str(folder), tmp_path / "q", bpw=3.5, measurement=tmp_path / "m.json", rows=4, seq_len=64, method=method,
+            progress=False)
+    mem = mx.get_peak_memory()
+    assert 0.5 * mem < conv.peak_bytes - BASE_RSS < 2.0 * mem, (conv.peak_bytes - BASE_RSS, mem)
+    disk = folder_bytes(tmp_path / "q")
+    assert 0.8 * disk < conv.disk_bytes < 1.25 * disk, (conv.disk_bytes, disk)
+    weights = sum(f.stat().st_size for f in (tmp_path / "q").glob("*.safetensors"))
+    assert conv.detail["quantized_params"] * 3.5 / 8 <= weights < conv.detail["quantized_params"] * 3.6 / 8
+
+
+def test_estimate_cli_prints_and_does_no_work(big_vocab, tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_dq.cli import main
+
+    r = CliRunner().invoke(main, ["convert", "--model", str(big_vocab["untied"]), "--bpw", "3.5", "-o",
+                                  str(tmp_path / "q"), "--estimate", "--flops", "1e10"])
+    assert r.exit_code == 0, r.output
+    assert "measure:" in r.output and "convert (quantize stage)" in r.output and "total: about" in r.output
+    assert "10.0 GFLOP/s" in r.output and not (tmp_path / "q").exists()
+    r = CliRunner().invoke(main, ["measure", "--model", str(big_vocab["untied"]), "-o", str(tmp_path / "m.json"),
+                                  "--estimate", "--method", "rtn"])
+    assert r.exit_code == 0, r.output
+    assert "(tensor, option) errors" in r.output and not (tmp_path / "m.json").exists()
+    r = CliRunner().invoke(main, ["measure", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "m.json"),
+                                  "--estimate"])
+    assert r.exit_code != 0 and "Error:" in r.output and "Traceback" not in r.output
