@@ -135,20 +135,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def matmul_flops(n: int = 2048) -> float:
-    """FLOP/s of a plain float32 ``mx.matmul`` [n, n] x [n, n] on the default device (best of 3)."""
-    import mlx.core as mx
-
-    a, b = mx.random.normal((n, n)), mx.random.normal((n, n))
-    mx.eval(a @ b)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        mx.eval(a @ b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
-
-
 def layer_tensors(s: dict) -> list[tuple[int, int]]:
     """(out, in) of each quantizable tensor of one decoder layer."""
     h, f, d = s["hidden"], s["intermediate"], s["hidden"] // s["heads"]
@@ -202,7 +188,9 @@ def main() -> None:
     ap.add_argument("--code", default=str(ROOT), help="folder holding the mlx_dq package to run (before/after)")
     ap.add_argument("--keep", default=None, help="build the models in this folder and keep them")
     args = ap.parse_args()
-    flops = matmul_flops()
+    from mlx_dq.estimate import matmul_flops
+
+    flops = matmul_flops(2048)
     print(f"plain float32 mx.matmul on {__import__('mlx.core').core.default_device()}: {flops / 1e9:.1f} GFLOP/s")
     results = {"matmul_flops": flops, "args": vars(args), "shapes": {}}
     with tempfile.TemporaryDirectory() as td:
