@@ -9,6 +9,10 @@ from typing import Any
 import click
 import mlx.core as mx
 
+from mlx_dq.settings import DTYPES, IMPORTANCE_MODES, METHODS, MeasureSettings, PlanSettings, QuantizeSettings
+
+_M, _Q, _P = MeasureSettings(), QuantizeSettings(), PlanSettings()  # the defaults every option below shows
+
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
@@ -113,18 +117,18 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
               help="HF folder, hub id, .gguf file or smollm2-135m.")
 @click.option("--calib", type=click.Path(), default=None,
               help="Calibration .txt/.jsonl file or folder [default: the bundled calibration text].")
-@click.option("--rows", default=16, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
-@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed for choosing the rows.")
-@click.option("--grid", default=None, help="Option grid: a built-in name (default, fast) or a JSON file.")
-@click.option("--importance", type=click.Choice(["residual", "kl", "none"]), default="residual", show_default=True,
+@click.option("--rows", default=_M.rows, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
+@click.option("--seq-len", default=_M.seq_len, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
+@click.option("--seed", default=_M.seed, show_default=True, type=int, help="Seed for choosing the rows.")
+@click.option("--grid", default=_M.grid, help="Option grid: a built-in name (default, fast) or a JSON file.")
+@click.option("--importance", type=click.Choice(IMPORTANCE_MODES), default=_M.importance, show_default=True,
               help="How errors are made comparable across tensors (kl needs the whole model in memory).")
-@click.option("--method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+@click.option("--method", type=click.Choice(METHODS), default=_M.method, show_default=True,
               help="Quantizer whose errors are measured: gptq (error compensation, what convert does by default) "
                    "or rtn (rounding; about 3x faster).")
-@click.option("--clip/--no-clip", default=None,
+@click.option("--clip/--no-clip", default=_M.clip,
               help="Measure with the per-group clip search [default: on with gptq, off with rtn].")
-@click.option("--kl-scale/--no-kl-scale", default=True, show_default=True,
+@click.option("--kl-scale/--no-kl-scale", default=_M.kl_scale, show_default=True,
               help="Scale importance to KL divergence (a few perturbed copies carried to the logits) and measure "
                    "the head's options end to end.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Measurement JSON to write.")
@@ -132,7 +136,7 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Also write the measurement's figures (PNG) into this folder.")
 @click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a measurement.")
-@click.option("--sample-rows", default=0, show_default=True, type=click.IntRange(min=0),
+@click.option("--sample-rows", default=_M.sample_rows, show_default=True, type=click.IntRange(min=0),
               help="Measure each linear layer's options on this many random output rows (0: all rows).")
 @click.option("--estimate", is_flag=True, help="Print the predicted time, peak memory and disk, and exit.")
 @click.option("--flops", type=float, default=None, help="With --estimate: this float32 FLOP/s instead of timing one.")
@@ -142,7 +146,8 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
             flops: float | None = None) -> None:
     """Measure every tensor's error under each quantization option, one decoder layer at a time."""
     from mlx_dq.measure import measure as run_measure
-    from mlx_dq.safety import guard_output_file, json_kind
+    from mlx_dq.formats import json_kind
+    from mlx_dq.safety import guard_output_file
 
     if estimate:
         _print_estimate(model_spec, flops, "measure", rows=rows, seq_len=seq_len, grid=grid, method=method,
@@ -183,7 +188,8 @@ def _is_plan(path: str) -> bool:
 def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | None, force: bool,
                             exl2_report: str | None = None) -> None:
     """Refuse outputs that would overwrite the input, each other, a file of another kind (without force), or cannot be written."""
-    from mlx_dq.safety import csv_with_header, guard_output_file, json_kind
+    from mlx_dq.formats import json_kind
+    from mlx_dq.safety import csv_with_header, guard_output_file
 
     inputs = [("measurement", measurement)]
     guard_output_file(output, "-o/--output", inputs=inputs, force=force, kind="a plan", is_kind=_is_plan)
@@ -200,7 +206,7 @@ def _unmeasured_note(m: Any, plan: Any) -> str:
     """What an unfinished measurement leaves out, and the whole model's bpw when every unmeasured tensor stays 16-bit."""
     import math
 
-    from mlx_dq.safety import model_shapes
+    from mlx_dq.plans import model_shapes
     from mlx_dq.sources import resolve
 
     n = (m.model or {}).get("num_layers")
@@ -356,7 +362,7 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @main.command(context_settings=CONTEXT)
 @click.option("--model", "model_spec", default="smollm2-135m", show_default=True,
               help="HF folder, hub id, .gguf file or smollm2-135m.")
-@click.option("--bpw", type=float, default=None, help="Bits-per-weight target (all quantizable tensors by default).")
+@click.option("--bpw", type=float, default=_P.bpw, help="Bits-per-weight target (all quantizable tensors by default).")
 @click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Output model folder.")
 @click.option("--measurement", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Reuse a measurement (mlx-dq's or ExLlamaV2's) instead of measuring.")
@@ -370,17 +376,17 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
               help="Option for embedding/head outside the budget, or 'budget' to plan them with the rest.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
 @click.option("--keep-outside-budget", is_flag=True, help="Kept 16-bit tensors do not count against --bpw.")
-@click.option("--calib", type=click.Path(exists=True), default=None, help="Calibration .txt/.jsonl file or folder.")
-@click.option("--rows", default=32, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
-@click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed for the calibration rows.")
-@click.option("--method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
+@click.option("--calib", type=click.Path(exists=True), default=_Q.calib, help="Calibration .txt/.jsonl file or folder.")
+@click.option("--rows", default=_Q.rows, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
+@click.option("--seq-len", default=_Q.seq_len, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
+@click.option("--seed", default=_Q.seed, show_default=True, type=int, help="Seed for the calibration rows.")
+@click.option("--method", type=click.Choice(METHODS), default=_Q.method, show_default=True,
               help="GPTQ error compensation, or round-to-nearest with clip search.")
 @click.option("--no-sequential", is_flag=True, help="Feed each layer the unquantized model's activations.")
 @click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
 @click.option("--force", is_flag=True,
               help="Replace an existing output folder (only an earlier mlx-dq output; never one holding an input).")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "auto"]), default="float16", show_default=True,
+@click.option("--dtype", type=click.Choice(DTYPES), default=_Q.dtype, show_default=True,
               help="Dtype of scales, biases and 16-bit tensors (auto: the source's; bfloat16 needs --method rtn).")
 @click.option("--upload-repo", default=None, metavar="USER/NAME",
               help="Upload the finished folder to this Hugging Face repo (network and token checked first).")
@@ -444,7 +450,6 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             keep=keep, keep_outside_budget=keep_outside_budget, calib=calib, rows=rows, seq_len=seq_len, seed=seed,
             method=method,
             sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
-            measure_kwargs={"rows": rows, "seq_len": seq_len},
             command=_command_line(ctx), card_ref=upload_repo,
             allow_incomplete=allow_incomplete, allow_other_model=allow_other_model,
         )
@@ -510,6 +515,7 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
     """Evaluate MODEL (an output folder or a source): perplexity, KL divergence and top-1 vs BASE, size, speed."""
     from mlx_dq import calib, evaluate
     from mlx_dq.sources import load_model
+    from mlx_dq.writer import read_manifest
 
     try:
         texts, source = calib.resolve_eval_texts(text_path)
@@ -540,12 +546,12 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
     click.echo(f"forward: {result['tokens_per_s']:.0f} tokens/s")
     if "generation_tokens_per_s" in result:
         click.echo(f"generation: {result['generation_tokens_per_s']:.1f} tokens/s")
-    if write and folder is not None and evaluate.read_manifest(folder) is not None:
-        block = evaluate.results_block(result, base_model, evaluate.read_manifest(folder))
+    if write and folder is not None and read_manifest(folder, missing_ok=True) is not None:
+        block = evaluate.results_block(result, base_model, read_manifest(folder))
         click.echo(f"results written to {evaluate.write_results(folder, block)}")
         from mlx_dq.card import update_card
 
-        click.echo(f"model card updated: {update_card(folder, evaluate.read_manifest(folder))}")
+        click.echo(f"model card updated: {update_card(folder, read_manifest(folder))}")
 
 
 def _write_csv(rows: list[dict], path: str) -> None:
@@ -622,7 +628,8 @@ def export(source: str, form: str, output: str, force: bool) -> None:
     from mlx_dq.formats.common import read_json
     from mlx_dq.measurement import write_json_atomic
 
-    from mlx_dq.safety import guard_output_file, json_kind
+    from mlx_dq.formats import json_kind
+    from mlx_dq.safety import guard_output_file
 
     path = Path(source) / "mlx_dq.json" if Path(source).is_dir() else Path(source)
     try:
@@ -761,7 +768,7 @@ def verify(folder: str) -> None:
     names; run this on a folder from elsewhere first (or use mlx_dq generate /
     mlx_dq.load, which never run folder code).
     """
-    from mlx_dq.safety import verify_model_file
+    from mlx_dq.writer import verify_model_file
 
     try:
         click.echo(verify_model_file(folder))

@@ -75,12 +75,12 @@ def _shapes(source: Any) -> tuple[list[list[tuple[str, tuple[int, ...]]]], list[
 
     from .capture import quantizable_modules
     from .grids import role_of
-    from .measure import _align_to_source, _layer_prefix
+    from .runner import align_to_source, layer_prefix
     from .sources import build_model
 
     model = build_model(source.config)
-    _align_to_source(model, source.weight_names())
-    prefix = _layer_prefix(model, model.layers)
+    align_to_source(model, source.weight_names())
+    prefix = layer_prefix(model, model.layers)
     layers = [[(p, tuple(int(d) for d in m.weight.shape))
                for p, m in quantizable_modules(layer, prefix=f"{prefix}{i}.").items() if role_of(p) is not None]
               for i, layer in enumerate(model.layers)]
@@ -109,7 +109,8 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                      flops: float | None = None) -> Estimate:
     """Predicted cost of :func:`mlx_dq.measure.measure` with these settings (shapes only)."""
     from .grids import load_grid
-    from .measure import HEAD_CHUNK, REF_CACHE_BYTES
+    from .measure import REF_CACHE_BYTES
+    from .runner import HEAD_CHUNK
 
     grid_map = grid if isinstance(grid, dict) else load_grid(grid)
     layers, other, hidden = _shapes(source)
@@ -200,11 +201,11 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
 def _all_params(source: Any) -> list[tuple[str, tuple[int, ...]]]:
     from mlx.utils import tree_flatten
 
-    from .measure import _align_to_source
+    from .runner import align_to_source
     from .sources import build_model
 
     model = build_model(source.config)
-    _align_to_source(model, source.weight_names())
+    align_to_source(model, source.weight_names())
     return [(k, tuple(int(d) for d in v.shape)) for k, v in tree_flatten(model.parameters())]
 
 

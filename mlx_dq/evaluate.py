@@ -22,6 +22,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
+from .names import MANIFEST_NAME
+from .writer import read_manifest
+
 
 def perplexity(model: nn.Module, rows: mx.array, batch_size: int = 8, progress: bool = False) -> float:
     """Perplexity of ``model`` on ``[n, seq_len]`` token rows: exp of the mean next-token loss in float32.
@@ -332,7 +335,6 @@ def evaluate_model(
 # ----------------------------------------------------------------------------
 # evaluating an output folder and recording the results in its manifest
 # ----------------------------------------------------------------------------
-MANIFEST_NAME = "mlx_dq.json"
 
 
 def load_for_eval(spec: str) -> tuple[nn.Module, Any, dict, Path | None]:
@@ -362,20 +364,9 @@ def load_for_eval(spec: str) -> tuple[nn.Module, Any, dict, Path | None]:
     return model, tokenizer, config, None
 
 
-def read_manifest(folder: str | Path) -> dict | None:
-    """The folder's ``mlx_dq.json`` manifest, or None when it has none."""
-    path = Path(folder) / MANIFEST_NAME
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg})") from None
-
-
 def manifest_base(folder: str | Path) -> str | None:
     """The source model spec an mlx-dq output was made from (its manifest's provenance), if recorded."""
-    manifest = read_manifest(folder) or {}
+    manifest = read_manifest(folder, missing_ok=True) or {}
     return (manifest.get("provenance", {}).get("source") or {}).get("spec")
 
 
@@ -412,8 +403,6 @@ def write_results(folder: str | Path, block: dict) -> Path:
     """Add (or replace) the ``results`` block of the folder's manifest, atomically."""
     path = Path(folder) / MANIFEST_NAME
     manifest = read_manifest(folder)
-    if manifest is None:
-        raise ValueError(f"{folder} has no {MANIFEST_NAME}: not an mlx-dq output folder")
     manifest["results"] = block
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2))

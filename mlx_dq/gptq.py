@@ -34,24 +34,20 @@ into rows (one factorisation for all); with per-expert Hessians the experts
 are processed together, vectorised, in one channel order (energy summed over
 experts), each with its own factor and damping.
 
-Sequential quantization: the caller (measurer, converter) accumulates ``H``
-from the inputs the layer receives when every earlier layer is already
-quantized, and passes it here (:func:`gptq_quantize`);
-:func:`quantize_layer_sequential` does this inside one layer too (q/k/v first,
-then o_proj on the outputs of the quantized q/k/v, and so on).
+Sequential quantization: the converter (:mod:`mlx_dq.quantize`) accumulates
+``H`` from the inputs each decoder layer receives when every earlier layer is
+already quantized, and passes it here (:func:`gptq_quantize`); within a layer
+all tensors see the unquantized layer's inputs.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
-from .capture import GramCollector
 from .options import QuantOption, perm_bits
 from .quant import (
     QuantizedTensor,
@@ -553,84 +549,3 @@ def gptq_quantize(
         qt.stats["output_error"] = output_error(wm, wq, gm)
         qt.stats["weight_error"] = weight_error(wm, wq)
     return qt
-
-
-# --------------------------------------------------------------------------
-# sequential quantization of one layer
-# --------------------------------------------------------------------------
-@dataclass
-class _OrderedCollector(GramCollector):
-    """A :class:`GramCollector` that also remembers the order modules are first called in."""
-
-    call_order: list[str] = field(default_factory=list)
-
-    def record(self, path: str, kind: str, x: mx.array, indices: mx.array | None = None) -> None:
-        """Remember one input and when ``path`` was first called."""
-        if path not in self.call_order:
-            self.call_order.append(path)
-        super().record(path, kind, x, indices)
-
-
-def quantize_layer_sequential(
-    layer: nn.Module,
-    calls: Sequence[tuple[tuple, dict[str, Any]]],
-    plan: dict[str, QuantOption],
-    *,
-    expert_mode: str = "per_expert",
-    compensate: bool = True,
-    **gptq_kwargs: Any,
-) -> dict[str, tuple[QuantizedTensor, mx.array | None]]:
-    """Quantize the modules of ``layer`` named in ``plan`` in call order, each on inputs from the already-quantized ones.
-
-    ``calls`` holds one ``(args, kwargs)`` per calibration batch, as the layer is
-    called (the hidden states given should come from the already-quantized
-    earlier layers). Stage by stage, the layer runs on every batch while the
-    Gram matrices of the modules still to do are captured; the modules fed by
-    the first such input (e.g. q/k/v together) are quantized with
-    :func:`gptq_quantize` (or :func:`~mlx_dq.quant.quantize_weight` with the
-    Gram when ``compensate`` is off, or when a module saw no input), and their
-    weights are replaced by the dequantized result, so later stages see the
-    quantized outputs. Paths are relative to ``layer``; keep-16-bit options
-    leave the weight as is. Returns ``{path: (QuantizedTensor, Gram it was
-    quantized against or None)}``.
-    """
-    from .capture import quantizable_modules
-
-    mods = quantizable_modules(layer)
-    unknown = sorted(set(plan) - set(mods))
-    if unknown:
-        raise ValueError(f"plan names modules the layer does not have: {unknown}")
-    if not calls:
-        raise ValueError("quantize_layer_sequential needs at least one calibration call")
-    done: dict[str, tuple[QuantizedTensor, mx.array | None]] = {}
-    remaining = [p for p in mods if p in plan]
-    while remaining:
-        col = _OrderedCollector({p: mods[p] for p in remaining}, expert_mode=expert_mode)
-        with col:
-            for args, kwargs in calls:
-                mx.eval(layer(*args, **kwargs))
-                col.flush()
-        called = [p for p in col.call_order if p in remaining]
-        if called:
-            first = called[0]
-            st = col.stats.get(first)
-            stage = [p for p in remaining if st is not None and p in st.group] or [first]
-        else:  # nothing left is reached by the forward pass: quantize without inputs
-            stage = list(remaining)
-        for path in stage:
-            mod, opt = mods[path], plan[path]
-            st = col.stats.get(path)
-            gram = None if st is None else st.gram
-            w = mod.weight
-            if gram is not None and compensate and not opt.keep16:
-                qt = gptq_quantize(w, opt, gram, **gptq_kwargs)
-            else:
-                qg = gram
-                if qg is not None and qg.ndim == 3 and w.ndim == 2:
-                    qg = qg.sum(0)
-                qt = quantize_weight(w, opt, qg)
-            if not opt.keep16:
-                mod.weight = qt.dequantize(w.dtype)
-            done[path] = (qt, gram)
-        remaining = [p for p in remaining if p not in stage]
-    return done

@@ -12,51 +12,13 @@ optimizer, so ``16bit`` is not a grid entry.
 from __future__ import annotations
 
 import json
-import re
 from importlib import resources
 from pathlib import Path
 
+from .names import ROLES, role_of  # noqa: F401  (the grid's roles; re-exported)
 from .options import QuantOption
 
-ROLES = ("attn_in", "attn_out", "mlp_in", "mlp_out", "embed_head", "expert_in", "expert_out", "default")
 DEFAULT_GRID = "default"
-
-_ATTN_IN = {"q_proj", "k_proj", "v_proj", "qkv", "qkv_proj", "query_key_value", "wqkv", "c_attn", "wq", "wk", "wv"}
-_ATTN_OUT = {"o_proj", "out_proj", "dense", "wo"}
-_MLP_IN = {"gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_fc", "dense_h_to_4h"}
-_MLP_OUT = {"down_proj", "w2", "fc2", "dense_4h_to_h"}
-_EMBED_HEAD = {"embed_tokens", "lm_head", "wte", "tok_embeddings", "token_embd", "embeddings", "output"}
-_EXPERT = re.compile(r"(^|\.)(switch_mlp|experts)(\.|$)")
-
-
-def role_of(name: str) -> str:
-    """Role of a parameter path such as ``model.layers.3.self_attn.q_proj(.weight)``.
-
-    Expert banks (``switch_mlp.*``, ``experts.*``) map to ``expert_in`` /
-    ``expert_out``; unknown layers map to ``"default"``.
-    """
-    parts = [p for p in name.split(".") if p]
-    if parts and parts[-1] in ("weight", "scales", "biases"):
-        parts = parts[:-1]
-    if not parts:
-        raise ValueError(f"empty parameter path: {name!r}")
-    leaf = parts[-1].lower()
-    parents = {p.lower() for p in parts[:-1]}
-    if _EXPERT.search(".".join(parts[:-1]).lower()):
-        return "expert_out" if leaf in _MLP_OUT else "expert_in"
-    if leaf in _EMBED_HEAD and (leaf != "output" or len(parts) == 1):
-        return "embed_head"
-    if leaf == "c_proj":  # GPT-2 style: c_proj ends both attention and MLP
-        return "mlp_out" if parents & {"mlp", "ffn", "feed_forward"} else "attn_out"
-    if leaf in _ATTN_IN:
-        return "attn_in"
-    if leaf in _ATTN_OUT:
-        return "mlp_out" if leaf == "dense" and parents & {"mlp", "ffn"} else "attn_out"
-    if leaf in _MLP_IN:
-        return "mlp_in"
-    if leaf in _MLP_OUT:
-        return "mlp_out"
-    return "default"
 
 
 def grid_names() -> list[str]:

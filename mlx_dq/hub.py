@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .report import MANIFEST_NAME
+from .card import update_card
+from .names import MANIFEST_NAME, MANIFEST_SCHEMA
+from .writer import read_manifest
 
 # Files of a source model folder that the output carries unchanged (cf. mlx-lm's download patterns).
 CARRIED_FILES = (
@@ -112,7 +114,7 @@ def upload_files(folder: str | Path) -> list[str]:
         raise HubError(f"{folder} is not a folder")
     manifest = folder / MANIFEST_NAME
     try:
-        ok = json.loads(manifest.read_text()).get("schema") == "mlx_dq.manifest"
+        ok = json.loads(manifest.read_text()).get("schema") == MANIFEST_SCHEMA
     except (OSError, ValueError, AttributeError):
         ok = False
     if not ok or not (folder / "config.json").is_file():
@@ -148,3 +150,15 @@ def upload(folder: str | Path, repo_id: str, *, private: bool = False, commit_me
         detail = (str(e).strip().splitlines() or [""])[0]
         raise HubError(f"upload to {repo_id} failed ({type(e).__name__}: {detail}); {folder} is unchanged") from e
     return str(url)
+
+
+def upload_output(mlx_path: str | Path, upload_repo: str, *, private: bool = False) -> str:
+    """Upload a complete output folder to the hub repo ``upload_repo``; return the repo URL.
+
+    Everything is checked first (complete folder, repo id, network, token); the
+    card's load instructions are then pointed at the repo and the folder is sent.
+    """
+    upload_files(mlx_path)
+    check_upload_ready(upload_repo)
+    update_card(mlx_path, read_manifest(mlx_path), ref=upload_repo)
+    return upload(mlx_path, upload_repo, private=private)

@@ -76,30 +76,36 @@ import os
 import platform
 import time
 import zlib
-from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
+from . import calib as calib_mod
 from . import distributed as dist
 from .capture import GramCollector, InputStats, iter_batches, quantizable_modules
 from .measurement import Measurement, TensorRecord, load_measurement, save_measurement
 from .options import QuantOption
+from .grids import load_grid
+from .names import role_of
 from .quant import output_error, quantize_weight
+from .quantize import METHODS, quantize_tensor  # noqa: F401  (METHODS re-exported)
+from .safety import check_finite_weight
+from .sources import resolve
+from .settings import IMPORTANCE_MODES, MeasureSettings  # noqa: F401  (IMPORTANCE_MODES re-exported)
+from .runner import (HEAD_CHUNK, LayerRunner, align_to_source, free_module, head_logits, layer_prefix,  # noqa: F401
+                     load_into, position_chunks, probe_layers)
 
-DEFAULT_ROWS = 16
-DEFAULT_SEQ_LEN = 512
-DEFAULT_BATCH = 4
-DEFAULT_IMPORTANCE_ROWS = 4
+DEFAULT_ROWS = MeasureSettings.rows  # the defaults live in mlx_dq.settings; these names stay for scripts
+DEFAULT_SEQ_LEN = MeasureSettings.seq_len
+DEFAULT_BATCH = MeasureSettings.batch_size
+DEFAULT_IMPORTANCE_ROWS = MeasureSettings.importance_rows
 REFERENCE_OPTION = "1.0:3b_64g"
-IMPORTANCE_MODES = ("residual", "kl", "none")
 KL_SAMPLE_LAYERS = 8  # decoder layers whose joint perturbation is carried to the logits to scale importance to KL
-HEAD_CHUNK = 128  # positions per head call: logits are [chunk, vocab] float32, never [calibration tokens, vocab]
 REF_CACHE_BYTES = 512 * 2**20  # reference log-probabilities kept for the head's KL; the rest are recomputed
 TIMING_KEYS = ("timing",)  # fields that differ between otherwise identical runs
 
@@ -107,58 +113,6 @@ TIMING_KEYS = ("timing",)  # fields that differ between otherwise identical runs
 # --------------------------------------------------------------------------
 # small helpers
 # --------------------------------------------------------------------------
-class _StopForward(Exception):
-    """Raised by a patched layer to end a probing forward pass early."""
-
-
-@contextmanager
-def _patched_calls(modules: Sequence[nn.Module], make: Callable[[int, type], Callable]) -> Iterator[None]:
-    """Temporarily give ``modules[j]`` the ``__call__`` returned by ``make(j, original_class)``."""
-    saved = [m.__class__ for m in modules]
-    try:
-        for j, m in enumerate(modules):
-            m.__class__ = type(saved[j].__name__, (saved[j],), {"__call__": make(j, saved[j])})
-        yield
-    finally:
-        for m, cls in zip(modules, saved):
-            m.__class__ = cls
-
-
-def _layer_prefix(model: nn.Module, layers: Sequence[nn.Module]) -> str:
-    """Dotted prefix of the decoder layers in ``model`` (e.g. ``"model.layers."``)."""
-    for path, mod in model.named_modules():
-        if mod is layers[0]:
-            return path[: -len("0")]
-    raise ValueError("the model's decoder layers are not among its modules")
-
-
-def _load_into(model: nn.Module, weights: dict[str, mx.array]) -> None:
-    """Load ``weights`` (full parameter paths) into ``model``, sanitizing raw names when needed."""
-    params = dict(tree_flatten(model.parameters()))
-    if any(k not in params for k in weights) and hasattr(model, "sanitize"):
-        weights = model.sanitize(dict(weights))
-    unknown = sorted(k for k in weights if k not in params)
-    if unknown:
-        raise ValueError(f"weights not in the model: {unknown[:5]}")
-    for k, v in weights.items():
-        if tuple(v.shape) != tuple(params[k].shape):
-            raise ValueError(f"{k}: weight shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}")
-    model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=False)
-
-
-def _align_to_source(model: nn.Module, names: Sequence[str]) -> None:
-    """Let the model's own ``sanitize`` adapt the skeleton to the checkpoint (e.g. drop an absent, tied head)."""
-    params = dict(tree_flatten(model.parameters()))
-    known = set(names)
-    if hasattr(model, "sanitize") and any(k not in known for k in params):
-        model.sanitize({k: v for k, v in params.items() if k in known})
-
-
-def _free(module: nn.Module) -> None:
-    """Drop a module's loaded parameters (replaced by empty arrays) so their memory is released."""
-    module.update(tree_map(lambda _: mx.zeros((0,), dtype=mx.float32), module.parameters()))
-
-
 def _digest(*parts: Any) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -310,13 +264,9 @@ def measure_tensor(
     of that many output rows (see :func:`output_row_sample`); options in ``kept``
     are still quantized on every row.
     """
-    from .convert import quantize_tensor
-    from .safety import check_finite_weight
-
     check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
-    quant_gram = None if gram is None else (gram.sum(0) if gram.ndim == 3 else gram)
     sample = output_row_sample(key, w, gram, sample_rows) if gram is not None and damage_fn is None else None
     rows_idx, row_weights = sample if sample is not None else (None, None)
     w_full = w
@@ -332,10 +282,7 @@ def measure_tensor(
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
         full = rows_idx is None or (kept is not None and opt.desc in kept)
         wo = w_full if full else w
-        if method == "gptq" and gram is not None and not opt.keep16:
-            qt = quantize_tensor(wo, opt, gram, method="gptq", clip=clip, factor_cache=factors)
-        else:
-            qt = quantize_weight(wo, opt, gram=quant_gram, clip=clip)
+        qt = quantize_tensor(wo, opt, gram, method=method, clip=clip, factor_cache=factors)  # the converter's
         wq = qt.dequantize(mx.float32)
         err, werr = meter(wq if rows_idx is None or not full else wq[rows_idx])
         clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
@@ -360,67 +307,9 @@ def measure_tensor(
 # --------------------------------------------------------------------------
 # running the model's own code one layer at a time
 # --------------------------------------------------------------------------
-def probe_layers(model: nn.Module, tokens: mx.array) -> tuple[mx.array, list[tuple[tuple, dict]]]:
-    """Run ``model`` on ``tokens`` up to its first decoder layer and record every layer's call.
-
-    Returns the first layer's input (the embedded rows, scaled as the model
-    scales them) and, per layer, the other arguments it is called with (masks,
-    caches), so each layer can later be run alone exactly as the model runs it.
-    Only the embedding's weights are needed.
-    """
-    layers = model.layers
-    calls: list[tuple[tuple, dict] | None] = [None] * len(layers)
-    first: list[mx.array] = []
-
-    def make(j: int, cls: type) -> Callable:
-        def call(self, h, *args, **kwargs):
-            if j == 0:
-                first.append(h)
-            calls[j] = (args, kwargs)
-            if j == len(layers) - 1:
-                raise _StopForward
-            return h
-
-        return call
-
-    with _patched_calls(layers, make):
-        try:
-            model(tokens)
-        except _StopForward:
-            pass
-    if not first or any(c is None for c in calls):
-        raise ValueError("the model's forward did not call every decoder layer once")
-    return first[0].astype(mx.float32), calls  # type: ignore[return-value]
-
-
-def head_logits(model: nn.Module, tokens: mx.array, hidden: mx.array) -> mx.array:
-    """Logits the model produces when its last decoder layer outputs ``hidden``.
-
-    Runs the model's own forward with the decoder layers replaced by a
-    pass-through that injects ``hidden``, so the final norm, head (tied or not)
-    and any logit scaling are mlx-lm's.
-    """
-
-    def make(j: int, cls: type) -> Callable:
-        def call(self, h, *args, **kwargs):
-            return hidden if j == 0 else h
-
-        return call
-
-    with _patched_calls(model.layers, make):
-        return model(tokens).astype(mx.float32)
-
-
 def _nll_sum(logits: mx.array, tokens: mx.array) -> float:
     loss = nn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:], reduction="sum")
     return float(loss.item())
-
-
-def position_chunks(seq_len: int, chunk: int = HEAD_CHUNK) -> list[slice]:
-    """Consecutive position slices of at most ``chunk`` positions (the head runs on one at a time)."""
-    if chunk < 1:
-        raise ValueError(f"head chunk must be >= 1, got {chunk}")
-    return list(iter_batches(seq_len, chunk))
 
 
 def chunked_nll_sum(model: nn.Module, tokens: mx.array, hidden: mx.array, chunk: int = HEAD_CHUNK,
@@ -654,303 +543,297 @@ def _grid_options(grid: dict[str, list[QuantOption]], role: str, key: str) -> li
     return list(grid[role])
 
 
+@dataclass
+class _Run:
+    """The state of one streaming measurement: settings, the runner, the carried activations and the record."""
+
+    s: MeasureSettings
+    source: Any
+    runner: LayerRunner
+    tokens: mx.array
+    grid_map: dict
+    m: Measurement
+    digest: str
+    out: Path | None
+    progress: bool
+    clip: bool
+    kl_scale: bool
+    n_imp: int
+    hidden: Any = None
+    start_layer: int = 0
+    carried: dict = field(default_factory=dict)  # layer -> importance rows' hidden states with that layer quantized
+    sample_layers: set = field(default_factory=set)
+    embed_lookup: dict = field(default_factory=dict)
+    embed_importance: float = 0.0
+    t_start: float = 0.0
+
+
 def measure(
     spec_or_source: Any,
     *,
-    calib: str | Path | None = None,
-    rows: int = DEFAULT_ROWS,
-    seq_len: int = DEFAULT_SEQ_LEN,
-    seed: int = 0,
-    grid: str | Path | None = None,
     out_path: str | Path | None = None,
     resume: bool = True,
-    importance: str = "residual",
-    importance_rows: int = DEFAULT_IMPORTANCE_ROWS,
-    batch_size: int = DEFAULT_BATCH,
-    expert_mode: str = "per_expert",
-    clip: bool | None = None,
-    method: str = "gptq",
-    kl_scale: bool = True,
     progress: bool = True,
-    head_chunk: int = HEAD_CHUNK,
-    sample_rows: int = 0,
+    settings: MeasureSettings | None = None,
     _fail_after_layer: int | None = None,
+    **options: Any,
 ) -> Measurement:
     """Measure every quantizable tensor of a model under every option of its grid role.
 
     Streams one decoder layer at a time (see the module docstring); writes and
     resumes ``out_path`` when given; returns the in-memory measurement.
-    ``method``/``clip`` choose the quantizer whose errors are measured (default:
-    the converter's, GPTQ with the clip search); ``kl_scale`` puts every
-    importance in KL units and measures the head's options end to end.
-    ``head_chunk`` bounds the head's logits to ``[head_chunk, vocab]`` floats at a time.
-    ``sample_rows > 0`` measures each linear layer's options on that many random
-    output rows (the importance reference and the head's end-to-end options on all).
+    ``options`` are :class:`~mlx_dq.settings.MeasureSettings` fields (or pass
+    ``settings``): ``method``/``clip`` choose the quantizer whose errors are
+    measured (default: the converter's, GPTQ with the clip search); ``kl_scale``
+    puts every importance in KL units and measures the head's options end to end;
+    ``head_chunk`` bounds the head's logits to ``[head_chunk, vocab]`` floats at a
+    time; ``sample_rows > 0`` measures each linear layer's options on that many
+    random output rows (the importance reference and the head's options on all).
     """
-    from . import calib as calib_mod
-    from .grids import load_grid, role_of
-    from .sources import build_model, resolve
+    run = _start(spec_or_source, (settings or MeasureSettings()).with_options(**options), out_path, progress)
+    old = _resume(run) if resume else None
+    if old is not None:
+        return old
+    _embed(run)
+    bar = tqdm(total=len(run.runner.layers), desc="measure", unit="layer", disable=not run.progress,
+               initial=run.start_layer)
+    for i in range(run.start_layer, len(run.runner.layers)):
+        _measure_layer(run, i)
+        bar.update(1)
+        if _fail_after_layer is not None and i == _fail_after_layer:
+            raise RuntimeError(f"simulated interruption after layer {i}")
+    bar.close()
+    _measure_head(run)
+    return _finish(run)
 
-    from .convert import METHODS
 
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if clip is None:
-        clip = method == "gptq"
-    kl_scale = kl_scale and importance == "residual"
-    if importance not in IMPORTANCE_MODES:
-        raise ValueError(f"importance must be one of {IMPORTANCE_MODES}, got {importance!r}")
-    if rows < 1 or seq_len < 2 or batch_size < 1 or importance_rows < 1:
-        raise ValueError(
-            "need rows >= 1, seq_len >= 2, batch_size >= 1 and importance_rows >= 1; got "
-            f"rows={rows}, seq_len={seq_len}, batch_size={batch_size}, importance_rows={importance_rows}"
-        )
+def _start(spec_or_source: Any, s: MeasureSettings, out_path: str | Path | None, progress: bool) -> _Run:
+    """Resolve the source, draw the calibration rows, build the runner and the empty measurement record."""
     t_start = time.perf_counter()
     source = resolve(str(spec_or_source)) if isinstance(spec_or_source, (str, Path)) else spec_or_source
-    texts, tokens = calib_mod.calibration_rows(source.tokenizer(), calib, rows, seq_len, seed)
-    grid_map = load_grid(grid)
-    model = build_model(source.config)
-    _align_to_source(model, source.weight_names())
-    layers = model.layers
-    prefix = _layer_prefix(model, layers)
-    n_imp = min(importance_rows, rows)
-
+    texts, tokens = calib_mod.calibration_rows(source.tokenizer(), s.calib, s.rows, s.seq_len, s.seed)
+    grid_map = load_grid(s.grid)
+    n_imp = min(s.importance_rows, s.rows)
+    share = dist.RowShare(s.rows, s.batch_size, n_imp)  # one rank: every batch, as before
+    runner = LayerRunner(source, tokens, s.batch_size, share, s.expert_mode)
+    layers = runner.layers
+    clip, kl_scale = s.resolved_clip, s.resolved_kl_scale
     m = Measurement(
-        model={
-            "spec": str(getattr(source, "spec", spec_or_source)),
-            "model_type": source.config.get("model_type"),
-            "num_layers": len(layers),
-            "fingerprint": source.fingerprint(),
-        },
-        calibration={
-            "source": str(calib) if calib else "default",
-            "text_digest": calib_mod.text_digest(texts),
-            "rows": rows,
-            "seq_len": seq_len,
-            "seed": seed,
-            "tokens_digest": _digest(np.asarray(tokens).tobytes()),
-        },
-        grid={"source": str(grid) if grid else "default",
+        model={"spec": str(getattr(source, "spec", spec_or_source)), "model_type": source.config.get("model_type"),
+               "num_layers": len(layers), "fingerprint": source.fingerprint()},
+        calibration={"source": str(s.calib) if s.calib else "default", "text_digest": calib_mod.text_digest(texts),
+                     "rows": s.rows, "seq_len": s.seq_len, "seed": s.seed,
+                     "tokens_digest": _digest(np.asarray(tokens).tobytes())},
+        grid={"source": str(s.grid) if s.grid else "default",
               "roles": {r: [o.desc for o in opts] for r, opts in sorted(grid_map.items())}},
         versions=_versions(),
         last_module_idx=-1,
     )
     m.extra = {
-        "importance": {"method": importance, "reference": REFERENCE_OPTION, "rows": n_imp,
+        "importance": {"method": s.importance, "reference": REFERENCE_OPTION, "rows": n_imp,
                        "predicts": "damage ~ importance * err**2"},
-        "expert_gram": expert_mode,
-        "clip": clip,
-        "method": method,
-        "complete": False,
+        "expert_gram": s.expert_mode, "clip": clip, "method": s.method, "complete": False,
     }
-    if sample_rows < 0:
-        raise ValueError(f"sample_rows must be >= 0, got {sample_rows}")
-    if sample_rows:  # only when set, so measurements without it keep their settings digest
-        m.extra["sample_rows"] = int(sample_rows)
+    if s.sample_rows:  # only when set, so measurements without it keep their settings digest
+        m.extra["sample_rows"] = int(s.sample_rows)
     if kl_scale:
         m.extra["importance"]["kl_scale"] = {"samples": []}
-    settings = _digest(m.model, m.calibration, m.grid, m.extra)
-    m.extra["settings_digest"] = settings
+    digest = _digest(m.model, m.calibration, m.grid, m.extra)
+    m.extra["settings_digest"] = digest
     m.extra["timing"] = {"layers_s": [], "total_s": None}
-    out = Path(out_path) if out_path is not None else None
+    run = _Run(s, source, runner, tokens, grid_map, m, digest, Path(out_path) if out_path is not None else None,
+               progress and dist.is_root(), clip, kl_scale, n_imp, t_start=t_start)
+    run.sample_layers = set(np.linspace(0, len(layers) - 1, min(KL_SAMPLE_LAYERS, len(layers)))
+                            .round().astype(int).tolist())
+    return run
 
-    start_layer = 0
-    hidden: mx.array | None = None
-    carried: dict[int, mx.array] = {}  # layer -> hidden states of the importance rows with that layer quantized
-    sample_layers = set(np.linspace(0, len(layers) - 1, min(KL_SAMPLE_LAYERS, len(layers))).round().astype(int).tolist())
-    share = dist.RowShare(rows, batch_size, n_imp)  # one rank: every batch, as before
-    progress = progress and dist.is_root()
-    old = None
-    if out is not None and resume and (out.exists() or dist.active()):
-        old = dist.broadcast(load_measurement(out) if dist.is_root() and out.exists() else None)
-    if old is not None:
-        if old.extra.get("settings_digest") != settings:
-            raise ValueError(
-                f"{out} was measured with different settings (model, calibration, grid or importance); "
-                "pass resume=False (--no-resume) to overwrite it"
-            )
-        if old.extra.get("complete"):
-            return old
-        done_idx = old.last_module_idx if old.last_module_idx is not None else -1
-        if dist.active():  # every rank must hold its state of the last layer the file records
-            st = dist.load_state(out, done_idx, settings, share.batches) if done_idx >= 0 else None
-            state = (st[0], done_idx, st[1]) if all(dist.gather_objects(st is not None)) else None
-        else:
-            state = _load_state(out, settings)
-        if state is not None and state[1] <= done_idx:
-            hidden, done, carried = state
-            start_layer = done + 1
-            keep = tuple(f"{prefix}{i}." for i in range(start_layer))
-            m.tensors = {k: t for k, t in old.tensors.items() if k.startswith(keep)}
-            m.last_module_idx = done
-            m.extra["timing"] = {k: (v[:start_layer] if isinstance(v, list) else v)
-                                 for k, v in old.extra.get("timing", {}).items()}
-            if kl_scale:
-                m.extra["importance"]["kl_scale"] = old.extra["importance"]["kl_scale"]
 
-    # embed (and record the layers' call arguments) with only the non-layer weights loaded
-    _load_into(model, dict(source.other_weights()))
-    batches = list(iter_batches(rows, batch_size))
-    calls, firsts = [], []
-    embed_mods = {p: mod for p, mod in quantizable_modules(model).items() if isinstance(mod, nn.Embedding)}
-    with GramCollector(embed_mods, expert_mode) as embed_col:
-        for sl in batches:
-            h0, call = probe_layers(model, tokens[sl])
-            mx.eval(h0)
-            embed_col.flush()
-            calls.append(call)
-            firsts.append(h0)
-    embed_lookup = dict(embed_col.lookups)
-    h0 = mx.concatenate(firsts, axis=0)[:n_imp]
-    embed_importance = float((h0 * h0).sum().item()) / robust_energy(h0)  # lookup damage is err**2 of the total
-    if hidden is None:
-        hidden = share.join([f for b, f in enumerate(firsts) if share.runs(b)])
-    del firsts
+def _resume(run: _Run) -> Measurement | None:
+    """Continue from ``run.out`` when it holds this measurement: the finished one, or its state after some layer."""
+    out, m = run.out, run.m
+    if out is None or not (out.exists() or dist.active()):
+        return None
+    old = dist.broadcast(load_measurement(out) if dist.is_root() and out.exists() else None)
+    if old is None:
+        return None
+    if old.extra.get("settings_digest") != run.digest:
+        raise ValueError(
+            f"{out} was measured with different settings (model, calibration, grid or importance); "
+            "pass resume=False (--no-resume) to overwrite it"
+        )
+    if old.extra.get("complete"):
+        return old
+    done_idx = old.last_module_idx if old.last_module_idx is not None else -1
+    if dist.active():  # every rank must hold its state of the last layer the file records
+        st = dist.load_state(out, done_idx, run.digest, run.runner.share.batches) if done_idx >= 0 else None
+        state = (st[0], done_idx, st[1]) if all(dist.gather_objects(st is not None)) else None
+    else:
+        state = _load_state(out, run.digest)
+    if state is not None and state[1] <= done_idx:
+        run.hidden, done, run.carried = state
+        run.start_layer = done + 1
+        keep = tuple(f"{run.runner.prefix}{i}." for i in range(run.start_layer))
+        m.tensors = {k: t for k, t in old.tensors.items() if k.startswith(keep)}
+        m.last_module_idx = done
+        m.extra["timing"] = {k: (v[:run.start_layer] if isinstance(v, list) else v)
+                             for k, v in old.extra.get("timing", {}).items()}
+        if run.kl_scale:
+            m.extra["importance"]["kl_scale"] = old.extra["importance"]["kl_scale"]
+    return None
 
-    bar = tqdm(total=len(layers), desc="measure", unit="layer", disable=not progress, initial=start_layer)
-    for i in range(start_layer, len(layers)):
-        t0 = time.perf_counter()
-        layer = layers[i]
-        _load_into(model, dict(source.layer_weights(i)))
-        mods = {p: mod for p, mod in quantizable_modules(layer, prefix=f"{prefix}{i}.").items()
-                if role_of(p) is not None}
-        new_hidden = []
-        dist.set_stage(i)
-        with GramCollector(mods, expert_mode) as col:
-            for b, sl in enumerate(batches):
-                if not share.runs(b):
-                    continue
-                args, kwargs = calls[b][i]
-                y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
-                mx.eval(y)
-                share.flush(col, b)
-                new_hidden.append(y)
-        dist.reduce_stats(col)
-        t1 = time.perf_counter()
-        for k in carried:  # perturbed copies of earlier layers travel on through this one
-            carried[k] = layer(carried[k], *calls[0][i][0], **calls[0][i][1]).astype(mx.float32)
-            mx.eval(carried[k])
-        records, refs = [], {}
-        owner = _share_options(mods, grid_map, method, clip)  # {} with one rank
-        for path, mod in mods.items():
-            role = role_of(path)
-            opts = _grid_options(grid_map, role, path)
-            ref = reference_option(opts, int(mod.weight.shape[-1]))
-            kept = {ref.desc: None}
-            rec = measure_tensor(path, mod.weight, opts, col.stats.get(path), role, clip=clip, kept=kept,
-                                 method=method, only={d for (p, d), r in owner.items()
-                                                          if p == path and r == dist.rank()} if owner else None,
-                                 sample_rows=sample_rows)
-            records.append(rec)
-            if importance == "residual" and owner and owner.get(
-                    (path, ref.desc), owner.get((path, fitting_options(opts, int(mod.weight.shape[-1]))[0].desc))
-            ) != dist.rank():
-                rec.extra["importance_ref"] = ref.desc  # another rank computes this tensor's importance
-            elif importance == "residual":
-                if kept[ref.desc] is None:  # the reference is not one of the grid's options
-                    gram = col.stats[path].gram
-                    kept[ref.desc] = quantize_weight(mod.weight, ref, gram=gram.sum(0) if gram.ndim == 3 else gram,
-                                                     clip=clip).dequantize(mx.float32)
-                refs[path] = kept[ref.desc]
-                rec.extra["importance_ref"] = ref.desc
-        t2 = time.perf_counter()
-        imp = {}
-        if importance == "residual" and refs:
-            imp = residual_importance(layer, hidden[:n_imp], calls[0][i], mods, refs, expert_mode)
-        if owner:  # gather every rank's options, importances (and the sampled layers' references)
-            records, imp, refs = dist.gather_layer(
-                records, imp, refs if kl_scale and i in sample_layers else {}, owner, list(mods))
-        if importance == "residual":
-            for rec in records:
-                r = imp[rec.key]
-                rec.importance = r["importance"]
-                rec.extra["importance_detail"] = {"damage": r["damage"], "err": r["err"]}
-            if kl_scale and i in sample_layers:
-                if dist.is_root():  # the carried copies travel on rank 0 only
-                    carried[i] = _perturbed_output(layer, hidden[:n_imp], calls[0][i], mods, refs)
-                m.extra["importance"]["kl_scale"]["samples"].append(
-                    {"layer": i, "predicted": sum(imp[p]["damage"] for p in refs)})
-        hidden = share.join(new_hidden)
-        del new_hidden, refs, col
-        _free(layer)
-        gc.collect()  # the capture's temporary classes form reference cycles; free this layer's arrays now
-        for rec in records:
-            m.tensors[rec.key] = rec
-        m.last_module_idx = i
-        t3 = time.perf_counter()
-        m.extra["timing"]["layers_s"].append(round(t3 - t0, 3))
-        for name, dt in (("forward_s", t1 - t0), ("options_s", t2 - t1), ("importance_s", t3 - t2)):
-            m.extra["timing"].setdefault(name, []).append(round(dt, 3))
-        if out is not None and dist.active():  # a layer is done once every rank has its state
-            dist.save_state(out, i, hidden, settings, carried)
-            dist.barrier()
-            if dist.is_root():
-                save_measurement(m, out)
-            dist.drop_states(out, before=i - 1)
-        elif out is not None:
-            save_measurement(m, out)
-            _save_state(out, hidden, i, settings, carried)
-        bar.update(1)
-        if _fail_after_layer is not None and i == _fail_after_layer:
-            raise RuntimeError(f"simulated interruption after layer {i}")
-    bar.close()
 
-    # head and embedding: the final hidden states through the model's own norm and head
-    head_mods = {p: mod for p, mod in quantizable_modules(model).items()
-                 if not p.startswith(prefix) and role_of(p) is not None}
+def _embed(run: _Run) -> None:
+    """Embed the rows (recording the layers' call arguments) with only the non-layer weights loaded."""
+    runner = run.runner
+    runner.load_outside()
+    embed_mods = {p: mod for p, mod in quantizable_modules(runner.net).items() if isinstance(mod, nn.Embedding)}
+    with runner.collector(embed_mods) as embed_col:
+        firsts = runner.probe(flush=embed_col.flush)
+    run.embed_lookup = dict(embed_col.lookups)
+    h0 = mx.concatenate(firsts, axis=0)[:run.n_imp]
+    run.embed_importance = float((h0 * h0).sum().item()) / robust_energy(h0)  # lookup damage: err**2 of the total
+    if run.hidden is None:
+        run.hidden = runner.join(firsts)
+
+
+def _measure_layer(run: _Run, i: int) -> None:
+    """Decoder layer ``i``: collect its inputs, measure every option of its tensors, their importance; save."""
+
+    t0 = time.perf_counter()
+    runner, s, m = run.runner, run.s, run.m
+    layer = runner.layers[i]
+    mods = {p: mod for p, mod in runner.load(i).items() if role_of(p) is not None}
+    dist.set_stage(i)
+    with runner.collector(mods) as col:
+        new_hidden = runner.forward(i, run.hidden, col)
+    t1 = time.perf_counter()
+    call0 = runner.calls[0][i]
+    for k in run.carried:  # perturbed copies of earlier layers travel on through this one
+        run.carried[k] = layer(run.carried[k], *call0[0], **call0[1]).astype(mx.float32)
+        mx.eval(run.carried[k])
+    records, refs, owner = _measure_options(run, mods, col)
+    t2 = time.perf_counter()
+    _layer_importance(run, i, mods, col, records, refs, owner)
+    run.hidden = new_hidden
+    del new_hidden, refs, col
+    runner.free(i)
+    gc.collect()  # the capture's temporary classes form reference cycles; free this layer's arrays now
+    for rec in records:
+        m.tensors[rec.key] = rec
+    m.last_module_idx = i
+    t3 = time.perf_counter()
+    m.extra["timing"]["layers_s"].append(round(t3 - t0, 3))
+    for name, dt in (("forward_s", t1 - t0), ("options_s", t2 - t1), ("importance_s", t3 - t2)):
+        m.extra["timing"].setdefault(name, []).append(round(dt, 3))
+    _save_layer(run, i)
+
+
+def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) -> tuple[list, dict, dict]:
+    """Every option of every tensor of a layer (this rank's share); the reference options' weights for importance."""
+
+    s = run.s
+    records, refs = [], {}
+    owner = _share_options(mods, run.grid_map, s.method, run.clip)  # {} with one rank
+    for path, mod in mods.items():
+        role = role_of(path)
+        opts = _grid_options(run.grid_map, role, path)
+        ref = reference_option(opts, int(mod.weight.shape[-1]))
+        kept = {ref.desc: None}
+        rec = measure_tensor(path, mod.weight, opts, col.stats.get(path), role, clip=run.clip, kept=kept,
+                             method=s.method, only={d for (p, d), r in owner.items()
+                                                    if p == path and r == dist.rank()} if owner else None,
+                             sample_rows=s.sample_rows)
+        records.append(rec)
+        if s.importance == "residual" and owner and owner.get(
+                (path, ref.desc), owner.get((path, fitting_options(opts, int(mod.weight.shape[-1]))[0].desc))
+        ) != dist.rank():
+            rec.extra["importance_ref"] = ref.desc  # another rank computes this tensor's importance
+        elif s.importance == "residual":
+            if kept[ref.desc] is None:  # the reference is not one of the grid's options
+                gram = col.stats[path].gram
+                kept[ref.desc] = quantize_weight(mod.weight, ref, gram=gram.sum(0) if gram.ndim == 3 else gram,
+                                                 clip=run.clip).dequantize(mx.float32)
+            refs[path] = kept[ref.desc]
+            rec.extra["importance_ref"] = ref.desc
+    return records, refs, owner
+
+
+def _layer_importance(run: _Run, i: int, mods: dict[str, nn.Module], col: GramCollector, records: list,
+                      refs: dict, owner: dict) -> None:
+    """Residual importance of a layer's tensors, and (sampled layers) the perturbed copy carried to the logits."""
+    s, layer, call0 = run.s, run.runner.layers[i], run.runner.calls[0][i]
+    hidden = run.hidden
+    imp = {}
+    if s.importance == "residual" and refs:
+        imp = residual_importance(layer, hidden[:run.n_imp], call0, mods, refs, s.expert_mode)
+    if owner:  # gather every rank's options, importances (and the sampled layers' references)
+        records[:], imp, refs = dist.gather_layer(
+            records, imp, refs if run.kl_scale and i in run.sample_layers else {}, owner, list(mods))
+    if s.importance != "residual":
+        return
+    for rec in records:
+        r = imp[rec.key]
+        rec.importance = r["importance"]
+        rec.extra["importance_detail"] = {"damage": r["damage"], "err": r["err"]}
+    if run.kl_scale and i in run.sample_layers:
+        if dist.is_root():  # the carried copies travel on rank 0 only
+            run.carried[i] = _perturbed_output(layer, hidden[:run.n_imp], call0, mods, refs)
+        run.m.extra["importance"]["kl_scale"]["samples"].append(
+            {"layer": i, "predicted": sum(imp[p]["damage"] for p in refs)})
+
+
+def _save_layer(run: _Run, i: int) -> None:
+    """Write the measurement and the carried state after layer ``i`` (every rank's state when distributed)."""
+    out = run.out
+    if out is not None and dist.active():  # a layer is done once every rank has its state
+        dist.save_state(out, i, run.hidden, run.digest, run.carried)
+        dist.barrier()
+        if dist.is_root():
+            save_measurement(run.m, out)
+        dist.drop_states(out, before=i - 1)
+    elif out is not None:
+        save_measurement(run.m, out)
+        _save_state(out, run.hidden, i, run.digest, run.carried)
+
+
+def _kl_scale(run: _Run, head_kl: "_HeadKL") -> float:
+    """Turn the sampled layers' carried perturbations into KL and rescale every importance to nats; the scale."""
+    info = run.m.extra["importance"]["kl_scale"]
+    if dist.is_root():
+        for sample in info["samples"]:
+            sample["kl"] = head_kl.kl(run.carried.pop(sample["layer"]))
+        pred = sum(x["predicted"] for x in info["samples"])
+        info["scale"] = sum(x["kl"] for x in info["samples"]) / pred if pred > 0 else 1.0
+    info = run.m.extra["importance"]["kl_scale"] = dist.broadcast(info)
+    scale = info["scale"]
+    for rec in run.m.tensors.values():
+        rec.importance *= scale
+    return scale
+
+
+def _measure_head(run: _Run) -> None:
+    """Head and embedding: the final hidden states through the model's own norm and head."""
+
+    s, m, model, tokens, share = run.s, run.m, run.runner.net, run.tokens, run.runner.share
+    head_mods = {p: mod for p, mod in run.runner.outside_modules().items() if role_of(p) is not None}
     nlls = []
     dist.set_stage("head")
-    with GramCollector(head_mods, expert_mode) as head_col:
-        for sl in iter_batches(rows, 1):  # one row, head_chunk positions at a time: logits are [chunk, vocab]
+    with run.runner.collector(head_mods) as head_col:
+        for sl in iter_batches(s.rows, 1):  # one row, head_chunk positions at a time: logits are [chunk, vocab]
             if not share.owns_row(sl.start):
                 continue
-            nlls.append((sl.start, chunked_nll_sum(model, tokens[sl], hidden[sl], head_chunk,
+            nlls.append((sl.start, chunked_nll_sum(model, tokens[sl], run.hidden[sl], s.head_chunk,
                                                    flush=lambda: share.flush(head_col, sl.start, owned=True))))
     dist.reduce_stats(head_col)
     nll = 0.0
     for _, v in sorted(x for part in dist.gather_objects(nlls) for x in part):  # row order, as one process sums
         nll += v
-    m.base_perplexity = math.exp(nll / (rows * (seq_len - 1)))
-    head_kl = _HeadKL(model, tokens[:n_imp], hidden[:n_imp], head_chunk) if kl_scale else None
-    scale = 1.0
-    if kl_scale:
-        info = m.extra["importance"]["kl_scale"]
-        if dist.is_root():
-            for sample in info["samples"]:
-                sample["kl"] = head_kl.kl(carried.pop(sample["layer"]))
-            pred = sum(x["predicted"] for x in info["samples"])
-            scale = sum(x["kl"] for x in info["samples"]) / pred if pred > 0 else 1.0
-            info["scale"] = scale
-        info = m.extra["importance"]["kl_scale"] = dist.broadcast(info)
-        scale = info["scale"]
-        for rec in m.tensors.values():
-            rec.importance *= scale
-    owner = _share_options(head_mods, grid_map, method, clip)
-    head_recs = []
-    for path, mod in head_mods.items():
-        role = role_of(path)
-        stats = head_col.stats.get(path)
-        lookup = embed_lookup.get(path) if stats is None else None
-        fn = None
-        if head_kl is not None and stats is not None:
-            fn = head_kl.damage_fn(mod)
-            if path in embed_lookup:  # tied: the same codes also feed layer 0 through the lookup
-                fn = _add_lookup_damage(fn, mod.weight, embed_lookup[path], embed_importance * scale)
-        rec = measure_tensor(path, mod.weight, _grid_options(grid_map, role, path), stats, role,
-                             lookup=lookup, clip=clip, method=method, damage_fn=fn, progress=progress,
-                             only={d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None,
-                             sample_rows=sample_rows)
-        if stats is not None and path in embed_lookup:
-            m.tied = {"lm_head": path}
-            rec.extra["tied_head"] = True
-        elif stats is None and importance == "residual":
-            rec.importance = embed_importance * scale
-        if fn is not None:
-            rec.extra["damage"] = "KL of the next-token distribution with only this tensor quantized (head)"
-            if path in embed_lookup:
-                rec.extra["damage"] += " plus the lookup side's predicted KL (KL-scaled importance x lookup error^2)"
-                rec.extra["lookup_damage"] = [round(x, 6) for x in fn.lookup_damage]
-        head_recs.append((rec, mod, fn))
+    m.base_perplexity = math.exp(nll / (s.rows * (s.seq_len - 1)))
+    head_kl = _HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
+    scale = _kl_scale(run, head_kl) if run.kl_scale else 1.0
+    owner = _share_options(head_mods, run.grid_map, s.method, run.clip)
+    head_recs = [_measure_head_tensor(run, path, mod, head_col, head_kl, scale, owner)
+                 for path, mod in head_mods.items()]
     if owner:
         merged = dist.gather_layer([r for r, _, _ in head_recs], {}, {}, owner, list(head_mods))[0]
         head_recs = [(r, mod, fn) for r, (_, mod, fn) in zip(merged, head_recs)]
@@ -962,10 +845,45 @@ def measure(
                 rec.importance = ref_rec.damage / ref_rec.err**2  # for reports; the optimizer uses the damage
         m.tensors[path] = rec
     del head_kl
-    if importance == "kl":
-        kl_importance(source, m, tokens[:n_imp], grid_map, clip=clip, progress=progress)
+
+
+def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCollector, head_kl: Any,
+                         scale: float, owner: dict) -> tuple[TensorRecord, nn.Module, Any]:
+    """One embedding or head tensor's options (end-to-end KL damage for the head when in KL units)."""
+
+    s, m, embed_lookup = run.s, run.m, run.embed_lookup
+    role = role_of(path)
+    stats = head_col.stats.get(path)
+    lookup = embed_lookup.get(path) if stats is None else None
+    fn = None
+    if head_kl is not None and stats is not None:
+        fn = head_kl.damage_fn(mod)
+        if path in embed_lookup:  # tied: the same codes also feed layer 0 through the lookup
+            fn = _add_lookup_damage(fn, mod.weight, embed_lookup[path], run.embed_importance * scale)
+    rec = measure_tensor(path, mod.weight, _grid_options(run.grid_map, role, path), stats, role,
+                         lookup=lookup, clip=run.clip, method=s.method, damage_fn=fn, progress=run.progress,
+                         only={d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None,
+                         sample_rows=s.sample_rows)
+    if stats is not None and path in embed_lookup:
+        m.tied = {"lm_head": path}
+        rec.extra["tied_head"] = True
+    elif stats is None and s.importance == "residual":
+        rec.importance = run.embed_importance * scale
+    if fn is not None:
+        rec.extra["damage"] = "KL of the next-token distribution with only this tensor quantized (head)"
+        if path in embed_lookup:
+            rec.extra["damage"] += " plus the lookup side's predicted KL (KL-scaled importance x lookup error^2)"
+            rec.extra["lookup_damage"] = [round(x, 6) for x in fn.lookup_damage]
+    return rec, mod, fn
+
+
+def _finish(run: _Run) -> Measurement:
+    """Whole-model importance (``importance="kl"``), mark complete, write the file and drop the state."""
+    s, m, out = run.s, run.m, run.out
+    if s.importance == "kl":
+        kl_importance(run.source, m, run.tokens[:run.n_imp], run.grid_map, clip=run.clip, progress=run.progress)
     m.extra["complete"] = True
-    m.extra["timing"]["total_s"] = round(time.perf_counter() - t_start, 3)
+    m.extra["timing"]["total_s"] = round(time.perf_counter() - run.t_start, 3)
     if out is not None and dist.is_root():
         save_measurement(m, out)
         _state_path(out).unlink(missing_ok=True)
@@ -978,7 +896,6 @@ def measure(
 
 def _share_options(mods: dict[str, nn.Module], grid_map: dict, method: str, clip: bool) -> dict[tuple[str, str], int]:
     """The rank that measures each (tensor, option) of ``mods``, balanced by cost; {} with one rank."""
-    from .grids import role_of
 
     if not dist.active():
         return {}
@@ -991,7 +908,6 @@ def _share_options(mods: dict[str, nn.Module], grid_map: dict, method: str, clip
 def kl_importance(source: Any, m: Measurement, tokens: mx.array, grid_map: dict, clip: bool = True,
                   progress: bool = True) -> None:
     """Set each tensor's importance to end-to-end KL / err**2 at its reference option (whole model in memory)."""
-    from .grids import role_of
 
     model = source.model(mx.float32)
     mods = {p: mod for p, mod in quantizable_modules(model).items() if p in m.tensors}
@@ -1020,7 +936,7 @@ def tensor_kl(
     KL is the mean over all positions, in nats; the head runs ``chunk`` positions at a time.
     """
     layers = model.layers
-    prefix = _layer_prefix(model, layers)
+    prefix = layer_prefix(model, layers)
     with GramCollector(mods) as col:
         h, calls = probe_layers(model, tokens)
         col.flush()
@@ -1085,7 +1001,6 @@ def measure_module(
     Importance is the relative squared change of the module's output when only
     that tensor is quantized at the reference option, divided by its squared error.
     """
-    from .grids import load_grid, role_of
 
     role = role or role_of
     grid_map = grid if isinstance(grid, dict) else load_grid(grid)

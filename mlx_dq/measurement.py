@@ -42,13 +42,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .names import layer_index, role_of
 from .options import VALID_BITS, VALID_GROUPS, QuantOption, Segment
 
 FORMAT_NAME = "mlx_dq.measurement"
@@ -163,7 +163,7 @@ class Measurement:
         self, key: str, shape: Sequence[int], role: str | None = None, importance: float = 1.0
     ) -> TensorRecord:
         """Register a tensor (role guessed from its key when not given) and return its record."""
-        rec = TensorRecord(key, tuple(shape), role=role or guess_role(key), importance=importance)
+        rec = TensorRecord(key, tuple(shape), role=role or role_of(key), importance=importance)
         self.tensors[key] = rec
         return rec
 
@@ -182,32 +182,6 @@ class Measurement:
     def grouped_keys(self) -> set[str]:
         """Keys of tensors that belong to a joint group."""
         return {k for g in self.groups.values() for k in g.members}
-
-
-def guess_role(key: str) -> str:
-    """A tensor's grid role from its module path (the roles of :mod:`mlx_dq.grids`).
-
-    ``attn_in``, ``attn_out``, ``mlp_in``, ``mlp_out``, ``embed_head``,
-    ``expert_in``, ``expert_out`` or ``default``.
-    """
-    parts = [p for p in key.lower().split(".") if p]
-    if parts and parts[-1] == "weight":
-        parts = parts[:-1]
-    last = parts[-1] if parts else ""
-    parents = set(parts[:-1])
-    if parents & {"switch_mlp", "experts"}:
-        return "expert_out" if last in ("down_proj", "w2", "fc2") else "expert_in"
-    if last in ("embed_tokens", "wte", "tok_embeddings", "token_embd", "word_embeddings", "lm_head") or key == "output":
-        return "embed_head"
-    if last in ("q_proj", "k_proj", "v_proj", "qkv_proj", "qkv", "query_key_value", "wq", "wk", "wv", "c_attn"):
-        return "attn_in"
-    if last in ("o_proj", "out_proj", "wo") or (last == "dense" and not parents & {"mlp", "ffn"}):
-        return "attn_out"
-    if last in ("gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "c_fc"):
-        return "mlp_in"
-    if last in ("down_proj", "w2", "fc2", "c_proj"):
-        return "mlp_out"
-    return "default"
 
 
 # --------------------------------------------------------------------------- EXL2 mapping
@@ -493,7 +467,7 @@ def _from_exl2_v1(data: dict, path: str, shapes: Mapping, mode: str) -> Measurem
             for f in ("desc", "total_bits", "err", "qparams"):
                 _need(o, f, f"{where} option {j}", path)
         shape = tuple(shapes[key]) if key in shapes else _recover_shape(key, numel, opts, path)
-        rec = TensorRecord(key, shape, numel, guess_role(key))
+        rec = TensorRecord(key, shape, numel, role_of(key))
         recs = []
         for o in opts:
             opt = map_exl2_qparams(o["qparams"], shape[-1], mode)
@@ -505,7 +479,7 @@ def _from_exl2_v1(data: dict, path: str, shapes: Mapping, mode: str) -> Measurem
         rec.options = _dedupe(recs, lambda r: r.total_bits, lambda r: r.exl2_total_bits, lambda r: r.err,
                               lambda r: r.option)
         m.tensors[key] = rec
-        layers.update(int(x) for x in re.findall(r"layers\.(\d+)\.", key))
+        layers.update(x for x in [layer_index(key)] if x is not None)
     m.last_module_idx = max(layers) if layers else None
     return m
 
@@ -551,7 +525,7 @@ def _from_exl2_v2(data: dict, path: str, shapes: Mapping, mode: str) -> Measurem
         group = JointGroup(mod, [f"{mod}.{k}" for k in members])
         for k in members:
             key = f"{mod}.{k}"
-            m.tensors[key] = TensorRecord(key, sh[k], role=guess_role(key), group=mod)
+            m.tensors[key] = TensorRecord(key, sh[k], role=role_of(key), group=mod)
         joint = []
         for j, o in enumerate(opts):
             recs = {}
@@ -569,7 +543,7 @@ def _from_exl2_v2(data: dict, path: str, shapes: Mapping, mode: str) -> Measurem
         group.options = _dedupe(joint, lambda r: r.total_bits, lambda r: r.exl2_total_bits, lambda r: r.err,
                                 lambda r: tuple(x.option for x in r.members.values()))
         m.groups[mod] = group
-        layers.update(int(x) for x in re.findall(r"layers\.(\d+)\.", mod))
+        layers.update(x for x in [layer_index(mod)] if x is not None)
     m.last_module_idx = max(layers) if layers else None
     return m
 
@@ -682,7 +656,7 @@ def _tensor_from_json(r: Mapping, where: str, path: str) -> TensorRecord:
     if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
         raise _fail(path, f"{where} ({key!r}): shape must be a list of integers, got {shape!r}")
     try:
-        return TensorRecord(key, tuple(shape), int(r.get("numel", 0)), r.get("role", guess_role(key)),
+        return TensorRecord(key, tuple(shape), int(r.get("numel", 0)), r.get("role", role_of(key)),
                             float(r.get("importance", 1.0)), group=r.get("group"), extra=r.get("extra", {}))
     except (TypeError, ValueError) as e:
         raise _fail(path, f"{where} ({key!r}): {e}") from None

@@ -31,22 +31,20 @@ import fnmatch
 import heapq
 import json
 import math
-import re
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .names import default_bits_group, in_head_scope, split_layer
 from .measurement import Measurement, OptionRecord, TensorRecord, write_json_atomic
 from .options import QuantOption
 
 PLAN_FORMAT = "mlx_dq.plan"
 PLAN_VERSION = 1
 DEFAULT_HEAD_OPTION = "1.0:6b_64g"
-HEAD_ROLES = ("embed_head", "embed", "head")
 KEEP_RULE = "the N most sensitive tensors of each part stay 16-bit"
 
 
@@ -215,7 +213,7 @@ def default_part(key: str) -> str:
 
     ``backbone`` for decoder layers (``...layers.N.``), else its first path component.
     """
-    if re.search(r"(^|\.)(layers|h|blocks|block)\.\d+\.", key):
+    if (found := split_layer(key, containers=None)) is not None and found[2]:
         return "backbone"
     return key.split(".", 1)[0]
 
@@ -230,7 +228,7 @@ def _part_of(key: str, parts: Mapping[str, Sequence[str]] | None) -> str | None:
 
 
 def _head_scope(m: Measurement, t: TensorRecord) -> bool:
-    return t.role in HEAD_ROLES or t.key in m.tied or t.key in m.tied.values()
+    return in_head_scope(t.role, t.key, m.tied)
 
 
 def _build(
@@ -807,7 +805,7 @@ def plan_to_mlx_config(plan: Plan, shapes: Mapping[str, Sequence[int]] | None = 
     ``shapes`` fills or overrides shapes by tensor key.
     """
     shapes = shapes or {}
-    weight: Counter = Counter()
+    settings: list[tuple[int, int, int]] = []
     tensors: dict[str, dict] = {}
     kept = []
     for e in plan.tensors:
@@ -824,9 +822,9 @@ def plan_to_mlx_config(plan: Plan, shapes: Mapping[str, Sequence[int]] | None = 
         if opt.is_mixed:
             entry["option"] = opt.desc
         else:
-            weight[(seg.bits, seg.group_size)] += math.prod(shape)
+            settings.append((seg.bits, seg.group_size, math.prod(shape)))
         tensors[name] = entry
-    bits, gs = weight.most_common(1)[0][0] if weight else (4, 64)
+    bits, gs = default_bits_group(settings)
     rule = plan.settings.get("keep_most_sensitive")
     scan: dict[str, Any] = {"rule": KEEP_RULE}
     if isinstance(rule, Mapping):

@@ -27,9 +27,9 @@ from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
 from .measurement import Measurement
+from .names import LAYER_RE
 from .options import QuantOption
 
-_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?=\.|$)")
 _NUMBER = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
 _INNER_NUMBER = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
 _KIND_ORDER = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "self_attn", "attn",
@@ -60,13 +60,13 @@ def layer_and_kind(key: str) -> tuple[int | None, str]:
     Paths without a number (embedding, head) give ``(None, path)``.
     """
     path = key[: -len(".weight")] if key.endswith(".weight") else key
-    found = _LAYER.search(path) or _NUMBER.search(path)
+    found = LAYER_RE.search(path) or _NUMBER.search(path)
     if found is None:
         return None, path
     rest = path[found.end():].lstrip(".")
     # a numbered module that is itself the tensor (``blocks.2``) takes the container's name
     kind = rest or path[: found.start()].rsplit(".", 1)[-1] or found.group(0).strip(".").split(".")[0]
-    return int(found.group(1)), _INNER_NUMBER.sub("*", kind)
+    return int(found.group(found.lastindex)), _INNER_NUMBER.sub("*", kind)
 
 
 def _pareto(bpw: np.ndarray, err: np.ndarray) -> np.ndarray:

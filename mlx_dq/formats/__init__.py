@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +109,11 @@ def _describe_plan(data: dict) -> str:
              f"all tensors {data.get('total_bpw'):.4f} bpw, kept 16-bit {len(data.get('kept', []))}"]
     lines += [f"  {n:5d} x {o}" for o, n in opts.most_common()]
     return "\n".join(lines)
+
+
+def json_kind(path: str | os.PathLike) -> str:
+    """The form of a JSON file (see :func:`mlx_dq.formats.detect`), ``"unknown"`` when unreadable or not JSON."""
+    try:
+        return detect(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return "unknown"

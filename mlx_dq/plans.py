@@ -1,0 +1,162 @@
+"""The plan a conversion applies: given as is, read from a file, or optimized from a measurement.
+
+A measurement or plan given by the user must have been made for the model
+being converted (fingerprint, tensor names and shapes) and a measurement must
+be complete, unless told otherwise; what could not be checked becomes a note
+in the manifest.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+from . import measure as measure_mod
+from .capture import quantizable_modules
+from .formats import load_plan_any
+from .formats.common import model_modules
+from .formats.exl2 import complete_head
+from .measurement import Measurement, load_measurement, measurement_complete
+from .optimize import Plan, PlanEntry, optimize
+from .options import QuantOption
+from .sources import build_model
+
+def resolve_plan(
+    source: Any,
+    *,
+    bpw: float | None,
+    plan: Plan | str | Path | dict | None,
+    measurement: Measurement | str | Path | None,
+    measurement_path: Path | None,
+    mlx_lm_compatible: bool,
+    head_option: str | None,
+    keep: Iterable[str],
+    measure_kwargs: dict,
+    progress: bool,
+    keep_outside_budget: bool = False,
+    allow_incomplete: bool = False,
+    allow_other_model: bool = False,
+    notes: list[str] | None = None,
+) -> tuple[Plan, Measurement | None]:
+    """The plan to apply: given as is, or optimized from a given or freshly measured measurement.
+
+    A given measurement or plan must have been made for ``source`` (fingerprint
+    and shapes; see :func:`check_belongs_to`) and a measurement
+    must be complete, unless the ``allow_*`` flags say otherwise; what the
+    checks could not check goes into ``notes``.
+    """
+    notes = [] if notes is None else notes
+    if isinstance(plan, dict):
+        return plan_from_options(plan, source), None
+    if plan is not None:
+        if isinstance(plan, (str, Path)):  # ours, or a foreign file mapped onto this model (mlx_dq.formats)
+            p = load_plan_any(plan, source)
+        else:
+            p = plan
+        notes += check_plan_input(p, plan, source, allow_other_model)
+        return p, None
+    if bpw is None:
+        raise ValueError("give a bits-per-weight target (bpw) or a plan")
+    if measurement is None:
+        m = measure_mod.measure(source, out_path=measurement_path, progress=progress, **measure_kwargs)
+    else:
+        m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
+        notes += check_measurement_input(m, measurement, source, allow_incomplete, allow_other_model)
+    p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible,
+                 keep_outside_budget=keep_outside_budget)
+    complete_head(p, model_modules(source), head_option)  # an EXL2 measurement has no embedding/head
+    return p, m
+
+
+def plan_from_options(options: dict[str, str], source: Any) -> Plan:
+    """A plan from a hand-written mapping of module path -> option description (a fixed recipe)."""
+    mods = quantizable_modules(build_model(source.config))
+    entries, used, numel = [], 0, 0
+    for key, desc in options.items():
+        if key not in mods:
+            raise ValueError(f"the recipe names a tensor the model does not have: {key!r}")
+        opt = QuantOption.parse(desc)
+        shape = [int(d) for d in mods[key].weight.shape]
+        bits = opt.storage_bits(shape)
+        entries.append(PlanEntry(key=key, option=opt.desc, bits=bits, shape=shape, numel=math.prod(shape)))
+        used, numel = used + bits, numel + math.prod(shape)
+    bpw = used / numel if numel else 0.0
+    return Plan(target_bpw=bpw, achieved_bpw=bpw, objective=0.0, lower_bound=None, gap=None, budget_bits=used,
+                used_bits=used, numel=numel, total_bpw=bpw, tensors=entries, method="recipe")
+
+
+# --------------------------------------------------------------------------- inputs that belong to a model
+def model_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Module path -> weight shape of every quantizable tensor of the model ``config`` describes (no weights)."""
+    return {p: tuple(int(d) for d in m.weight.shape) for p, m in quantizable_modules(build_model(config)).items()}
+
+
+def _describe(model: dict | None) -> str:
+    model = model or {}
+    spec = model.get("spec") or "an unnamed model"
+    kind = model.get("model_type")
+    return f"{spec}" + (f" ({kind})" if kind else "")
+
+
+def check_belongs_to(
+    what: str, path: str, recorded: dict | None, shapes: dict[str, tuple[int, ...]] | dict[str, list[int]],
+    source: Any, model_shapes_: dict[str, tuple[int, ...]], allow_other_model: bool,
+) -> list[str]:
+    """Check a measurement or plan (``what`` read from ``path``) was made for ``source``; returns notes to print.
+
+    ``recorded`` is the model record it carries (spec, model_type, fingerprint);
+    ``shapes`` its tensors' shapes. A different fingerprint is refused unless
+    ``allow_other_model``; names or shapes the model lacks are always refused.
+    Tensors of the model that the file does not cover are listed in the notes
+    (they stay 16-bit).
+    """
+    notes: list[str] = []
+    fp = (recorded or {}).get("fingerprint")
+    if fp:
+        mine = source.fingerprint()
+        if fp != mine:
+            msg = (f"the {what} {path} was made for another model: {_describe(recorded)}, not {source.spec} "
+                   f"({source.config.get('model_type')})")
+            if not allow_other_model:
+                raise ValueError(msg + "; pass --allow-other-model to reuse it for a model of the same architecture")
+            notes.append(msg + " (allowed by --allow-other-model)")
+    else:
+        notes.append(f"the {what} {path} carries no model fingerprint (another tool's file?): cannot check "
+                     f"it was made for {source.spec}; only names and shapes are checked")
+    unknown = sorted(k for k in shapes if k not in model_shapes_)
+    if unknown:
+        raise ValueError(f"the {what} {path} names tensors that {source.spec} does not have: {unknown[:3]}"
+                         + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""))
+    bad = [(k, tuple(s), model_shapes_[k]) for k, s in shapes.items() if tuple(s) != model_shapes_[k]]
+    if bad:
+        k, s, m = bad[0]
+        raise ValueError(f"the {what} {path} does not match {source.spec}: tensor {k!r} has shape {list(s)} there "
+                         f"but {list(m)} in the model" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+    return notes
+
+
+def check_plan_input(plan: Any, given: Any, source: Any, allow_other_model: bool) -> list[str]:
+    """Check a plan read for ``source`` belongs to it (see :func:`check_belongs_to`); returns notes."""
+    where = str(given) if isinstance(given, (str, os.PathLike)) else "given"
+    recorded = (plan.source or {}).get("model") if isinstance(plan.source, dict) else None
+    return check_belongs_to("plan", where, recorded, {e.key: e.shape for e in plan.tensors}, source,
+                            model_shapes(source.config), allow_other_model)
+
+
+def check_measurement_input(m: Any, given: Any, source: Any, allow_incomplete: bool,
+                            allow_other_model: bool) -> list[str]:
+    """Check a measurement read for ``source``: complete (unless allowed) and made for it; returns notes."""
+    where = str(given) if isinstance(given, (str, os.PathLike)) else "given"
+    notes = []
+    if not measurement_complete(m):
+        if not allow_incomplete:
+            raise ValueError(
+                f"the measurement {where} is unfinished (measured up to layer {m.last_module_idx}; embedding "
+                "and head not measured): resume it by running the same measure command again, or pass "
+                "--allow-incomplete to leave the unmeasured tensors 16-bit"
+            )
+        notes.append(f"the measurement {where} is unfinished (allowed by --allow-incomplete)")
+    notes += check_belongs_to("measurement", where, m.model, {k: t.shape for k, t in m.tensors.items()},
+                              source, model_shapes(source.config), allow_other_model)
+    return notes

@@ -1,0 +1,219 @@
+"""The quantizer: one per-tensor dispatch, and a model quantized one decoder layer at a time.
+
+:func:`quantize_tensor` is the only place that turns a weight, an option and the
+Gram matrix of its inputs into codes: GPTQ error compensation (``method="gptq"``)
+or round-to-nearest with the clip search (``"rtn"``). The measurer calls it for
+every option it measures and the converter for every tensor it writes, so the
+errors a plan is built on are those of the tensors conversion produces.
+
+:func:`quantize_stream` streams a model through :class:`~mlx_dq.runner.LayerRunner`:
+each layer's inputs are collected over the calibration rows, every tensor is
+quantized with its planned option, and (``sequential``) the layer's output for
+the next layer is computed with the *quantized* weights, so errors do not pile
+up unseen. Peak memory is about one layer plus activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from . import distributed as dist
+from .gptq import DEFAULT_DAMP, gptq_quantize
+from .options import QuantOption
+from .quant import QuantizedTensor, promote_to_uniform, quantize_weight
+from .runner import LayerRunner, head_logits, position_chunks
+from .safety import check_finite_weight
+from .settings import METHODS
+
+
+# --------------------------------------------------------------------------
+# one tensor
+# --------------------------------------------------------------------------
+def quantize_tensor(
+    w: mx.array, option: QuantOption, gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
+    damp: float = DEFAULT_DAMP,
+    promote: bool = False,
+    factor_cache: dict | None = None,
+    scale_dtype: mx.Dtype = mx.float16,
+) -> QuantizedTensor:
+    """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip.
+
+    ``gram`` is ``[in, in]``, or ``[E, in, in]`` (one per expert) for an expert bank.
+    ``promote`` quantizes a mixed option in natural channel order and rewrites it
+    losslessly as one uniform tensor at its highest width (stock-loadable).
+    ``factor_cache`` (a dict) reuses Hessian factors across options of one tensor.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if option.keep16:
+        return quantize_weight(w, option, scale_dtype=scale_dtype)
+    natural = promote and option.is_mixed
+    if method == "gptq" and gram is not None:
+        if scale_dtype != mx.float16:
+            raise ValueError("GPTQ rounds its codes against float16 scales: bfloat16 output needs method rtn")
+        qt = gptq_quantize(w, option, gram, damp=damp, clip=clip, natural_order=natural,
+                           factor_cache=factor_cache)
+    else:
+        qt = quantize_weight(w, option, gram=gram, clip=clip, scale_dtype=scale_dtype, natural_order=natural)
+    return promote_to_uniform(qt) if natural else qt
+
+
+# --------------------------------------------------------------------------
+# a whole model, one decoder layer at a time
+# --------------------------------------------------------------------------
+@dataclass
+class QuantizedModule:
+    """One quantized linear layer, expert bank or embedding: its path, module, codes, input Gram and fp32 weight."""
+
+    path: str
+    module: nn.Module
+    qt: QuantizedTensor
+    gram: mx.array | None
+    weight: mx.array
+
+
+@dataclass
+class StreamPart:
+    """What :func:`quantize_stream` yields per decoder layer (then once for embedding/head/final norm).
+
+    ``tensors``: the quantized modules in model order; ``plain``: the other
+    parameters of that part (norms, biases) by full name, as they are.
+    """
+
+    tensors: list[QuantizedModule] = field(default_factory=list)
+    plain: dict[str, mx.array] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How :func:`quantize_stream` quantizes (see :class:`mlx_dq.settings.QuantizeSettings`)."""
+
+    method: str = "gptq"
+    sequential: bool = True
+    clip: bool = True
+    damp: float = DEFAULT_DAMP
+    promote_mixed: bool = False
+    scale_dtype: Any = mx.float16
+
+
+def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
+                  how: StreamOptions) -> list[QuantizedModule]:
+    """Quantize ``mods`` with their planned options (16-bit when unplanned); ranks share the work when distributed."""
+    if dist.active():
+        return list(_run_shared(mods, stats, options, how))
+    out = []
+    for path, mod in mods.items():
+        st = stats.get(path)
+        gram = st.gram if st is not None else None
+        w = mod.weight
+        check_finite_weight(path, w)
+        qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=how.method, clip=how.clip,
+                             damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype)
+        out.append(QuantizedModule(path, mod, qt, gram, w))
+    return out
+
+
+def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
+                how: StreamOptions) -> Iterator[QuantizedModule]:
+    """Quantize this rank's share of ``mods`` (balanced by cost), gather every rank's, yield all in order."""
+    for path, mod in mods.items():  # every rank checks every weight, so a bad one stops all ranks alike
+        check_finite_weight(path, mod.weight)
+    opts = {p: options.get(p, QuantOption.fp16()) for p in mods}
+    costs = [dist.option_cost(tuple(m.weight.shape), how.method, how.clip, opts[p].keep16) for p, m in mods.items()]
+    owner = dict(zip(mods, dist.split_by_cost(costs)))
+    mine = {}
+    for path, mod in mods.items():
+        if owner[path] == dist.rank():
+            st = stats.get(path)
+            mine[path] = quantize_tensor(mod.weight, opts[path], st.gram if st is not None else None,
+                                         method=how.method, clip=how.clip, damp=how.damp, promote=how.promote_mixed,
+                                         scale_dtype=how.scale_dtype)
+    every = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
+    for path, mod in mods.items():
+        st = stats.get(path)
+        yield QuantizedModule(path, mod, every[path], st.gram if st is not None else None, mod.weight)
+
+
+def _check_plan_names(runner: LayerRunner, options: dict[str, QuantOption], source: Any) -> None:
+    from .capture import quantizable_modules
+
+    unknown = sorted(set(options) - set(quantizable_modules(runner.net)))
+    if unknown:
+        raise ValueError(
+            f"the plan names tensors this {source.config.get('model_type')} model does not have: {unknown[:3]}"
+            + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else "")
+        )
+
+
+def quantize_stream(
+    source: Any,
+    options: dict[str, QuantOption],
+    tokens: mx.array,
+    *,
+    how: StreamOptions | None = None,
+    batch_size: int = 4,
+    progress: bool = True,
+    _fail_after_layer: int | None = None,
+    **how_options: Any,
+) -> Iterator[StreamPart]:
+    """Quantize ``source`` one decoder layer at a time over calibration ``tokens``; yield a :class:`StreamPart` each.
+
+    Every linear layer, expert bank and embedding is quantized with ``options``
+    (16-bit when it has no entry). ``how`` (or its fields as keywords: method,
+    sequential, clip, damp, promote_mixed, scale_dtype) says how.
+    """
+    how = StreamOptions(**how_options) if how is None else how
+    runner = LayerRunner(source, tokens, batch_size)
+    _check_plan_names(runner, options, source)
+    runner.load_outside()
+    hidden = runner.join(runner.probe())
+    layers, prefix = runner.layers, runner.prefix
+    bar = tqdm(total=len(layers) + 1, desc="quantize", unit="layer", disable=not (progress and dist.is_root()))
+    for i, layer in enumerate(layers):
+        mods = runner.load(i)
+        with runner.collector(mods) as col:
+            out = runner.forward(i, hidden, col)
+        part = StreamPart(_quantize_all(mods, col.stats, options, how))
+        lp = f"{prefix}{i}."
+        weights = {f"{p}.weight" for p in mods}
+        part.plain = {lp + k: v for k, v in tree_flatten(layer.parameters()) if lp + k not in weights}
+        yield part
+        if how.sequential:
+            for t in part.tensors:
+                mods[t.path].weight = t.qt.dequantize(mx.float32)
+            out = runner.forward(i, hidden, None)
+        hidden = out
+        del part, col
+        runner.free(i)
+        bar.update(1)
+        if _fail_after_layer is not None and i == _fail_after_layer:
+            raise RuntimeError(f"simulated interruption after layer {i}")
+    yield _quantize_outside(runner, hidden, options, how)
+    bar.update(1)
+    bar.close()
+
+
+def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, QuantOption],
+                      how: StreamOptions) -> StreamPart:
+    """Embedding and head (inputs: the final hidden states through the model's norm), and the other parameters."""
+    head_mods = runner.outside_modules()
+    net, tokens, share = runner.net, runner.tokens, runner.share
+    with runner.collector(head_mods) as col:
+        for b, sl in enumerate(runner.batches):
+            if not share.runs(b):
+                continue
+            h = hidden[sl]
+            for psl in position_chunks(int(tokens.shape[1])):  # logits never [calibration tokens, vocab]
+                mx.eval(head_logits(net, tokens[sl, psl], h[:, psl]))
+                share.flush(col, b)
+    dist.reduce_stats(col)
+    part = StreamPart(_quantize_all(head_mods, col.stats, options, how))
+    done = {f"{p}.weight" for p in head_mods}
+    part.plain = {k: v for k, v in tree_flatten(net.parameters()) if not k.startswith(runner.prefix) and k not in done}
+    return part

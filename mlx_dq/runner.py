@@ -1,0 +1,219 @@
+"""The layer runner: one decoder layer of a model in memory at a time, run by mlx-lm's own code.
+
+Measuring and quantizing both stream a model this way: build the model's
+skeleton (aligned to the checkpoint), load only the weights outside the decoder
+layers, run the model up to its first layer once per calibration batch to get
+the embedded rows and every layer's call arguments (masks, caches), then for
+each layer load its weights, run it on the carried activations (a Gram
+collector watching its linear layers) and free it. Peak memory is one layer
+plus the calibration rows' hidden states, independent of depth.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from . import distributed as dist
+from .capture import GramCollector, iter_batches, quantizable_modules
+
+HEAD_CHUNK = 128  # positions per head call: logits are [chunk, vocab] float32, never [calibration tokens, vocab]
+
+
+# --------------------------------------------------------------------------
+# running parts of the model's own forward
+# --------------------------------------------------------------------------
+class _StopForward(Exception):
+    """Raised by a patched layer to end a probing forward pass early."""
+
+
+@contextmanager
+def _patched_calls(modules: Sequence[nn.Module], make: Callable[[int, type], Callable]) -> Iterator[None]:
+    """Temporarily give ``modules[j]`` the ``__call__`` returned by ``make(j, original_class)``."""
+    saved = [m.__class__ for m in modules]
+    try:
+        for j, m in enumerate(modules):
+            m.__class__ = type(saved[j].__name__, (saved[j],), {"__call__": make(j, saved[j])})
+        yield
+    finally:
+        for m, cls in zip(modules, saved):
+            m.__class__ = cls
+
+
+def layer_prefix(model: nn.Module, layers: Sequence[nn.Module]) -> str:
+    """Dotted prefix of the decoder layers in ``model`` (e.g. ``"model.layers."``)."""
+    for path, mod in model.named_modules():
+        if mod is layers[0]:
+            return path[: -len("0")]
+    raise ValueError("the model's decoder layers are not among its modules")
+
+
+def load_into(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Load ``weights`` (full parameter paths) into ``model``, sanitizing raw names when needed."""
+    params = dict(tree_flatten(model.parameters()))
+    if any(k not in params for k in weights) and hasattr(model, "sanitize"):
+        weights = model.sanitize(dict(weights))
+    unknown = sorted(k for k in weights if k not in params)
+    if unknown:
+        raise ValueError(f"weights not in the model: {unknown[:5]}")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(params[k].shape):
+            raise ValueError(f"{k}: weight shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}")
+    model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=False)
+
+
+def align_to_source(model: nn.Module, names: Sequence[str]) -> None:
+    """Let the model's own ``sanitize`` adapt the skeleton to the checkpoint (e.g. drop an absent, tied head)."""
+    params = dict(tree_flatten(model.parameters()))
+    known = set(names)
+    if hasattr(model, "sanitize") and any(k not in known for k in params):
+        model.sanitize({k: v for k, v in params.items() if k in known})
+
+
+def free_module(module: nn.Module) -> None:
+    """Drop a module's loaded parameters (replaced by empty arrays) so their memory is released."""
+    module.update(tree_map(lambda _: mx.zeros((0,), dtype=mx.float32), module.parameters()))
+
+
+def probe_layers(model: nn.Module, tokens: mx.array) -> tuple[mx.array, list[tuple[tuple, dict]]]:
+    """Run ``model`` on ``tokens`` up to its first decoder layer and record every layer's call.
+
+    Returns the first layer's input (the embedded rows, scaled as the model
+    scales them) and, per layer, the other arguments it is called with (masks,
+    caches), so each layer can later be run alone exactly as the model runs it.
+    Only the embedding's weights are needed.
+    """
+    layers = model.layers
+    calls: list[tuple[tuple, dict] | None] = [None] * len(layers)
+    first: list[mx.array] = []
+
+    def make(j: int, cls: type) -> Callable:
+        def call(self, h, *args, **kwargs):
+            if j == 0:
+                first.append(h)
+            calls[j] = (args, kwargs)
+            if j == len(layers) - 1:
+                raise _StopForward
+            return h
+
+        return call
+
+    with _patched_calls(layers, make):
+        try:
+            model(tokens)
+        except _StopForward:
+            pass
+    if not first or any(c is None for c in calls):
+        raise ValueError("the model's forward did not call every decoder layer once")
+    return first[0].astype(mx.float32), calls  # type: ignore[return-value]
+
+
+def head_logits(model: nn.Module, tokens: mx.array, hidden: mx.array) -> mx.array:
+    """Logits the model produces when its last decoder layer outputs ``hidden``.
+
+    Runs the model's own forward with the decoder layers replaced by a
+    pass-through that injects ``hidden``, so the final norm, head (tied or not)
+    and any logit scaling are mlx-lm's.
+    """
+
+    def make(j: int, cls: type) -> Callable:
+        def call(self, h, *args, **kwargs):
+            return hidden if j == 0 else h
+
+        return call
+
+    with _patched_calls(model.layers, make):
+        return model(tokens).astype(mx.float32)
+
+
+def position_chunks(seq_len: int, chunk: int = HEAD_CHUNK) -> list[slice]:
+    """Consecutive position slices of at most ``chunk`` positions (the head runs on one at a time)."""
+    if chunk < 1:
+        raise ValueError(f"head chunk must be >= 1, got {chunk}")
+    return list(iter_batches(seq_len, chunk))
+
+
+# --------------------------------------------------------------------------
+# streaming a model layer by layer
+# --------------------------------------------------------------------------
+class LayerRunner:
+    """Streams ``source`` one decoder layer at a time over calibration ``tokens``, in batches of ``batch_size`` rows.
+
+    ``share`` says which batches this rank runs (every batch with one process);
+    ``expert_mode`` how expert banks' inputs are collected (see :class:`~mlx_dq.capture.GramCollector`).
+    """
+
+    def __init__(self, source: Any, tokens: mx.array, batch_size: int, share: dist.RowShare | None = None,
+                 expert_mode: str = "per_expert"):
+        from .sources import build_model
+
+        self.source, self.tokens, self.expert_mode = source, tokens, expert_mode
+        self.net = build_model(source.config)
+        align_to_source(self.net, source.weight_names())
+        self.layers = self.net.layers
+        self.prefix = layer_prefix(self.net, self.layers)
+        self.batches = list(iter_batches(int(tokens.shape[0]), batch_size))
+        self.share = share if share is not None else dist.RowShare(int(tokens.shape[0]), batch_size)
+        self.calls: list[list[tuple[tuple, dict]]] = []
+
+    def collector(self, mods: dict[str, nn.Module]) -> GramCollector:
+        """A Gram collector over ``mods`` with this runner's expert mode."""
+        return GramCollector(mods, self.expert_mode)
+
+    def load_outside(self) -> None:
+        """Load the weights outside the decoder layers (embedding, final norm, head)."""
+        load_into(self.net, dict(self.source.other_weights()))
+
+    def probe(self, flush: Callable[[], None] | None = None) -> list[mx.array]:
+        """Embed every batch (after :meth:`load_outside`) and record each decoder layer's call arguments.
+
+        Returns the first layer's input per batch (every batch, run by any rank);
+        ``flush`` is called after each batch (an embedding collector).
+        """
+        firsts = []
+        for sl in self.batches:
+            h0, call = probe_layers(self.net, self.tokens[sl])
+            mx.eval(h0)
+            if flush is not None:
+                flush()
+            self.calls.append(call)
+            firsts.append(h0)
+        return firsts
+
+    def join(self, firsts: list[mx.array]) -> Any:
+        """The hidden states this rank carries, from per-batch arrays of every batch."""
+        return self.share.join([f for b, f in enumerate(firsts) if self.share.runs(b)])
+
+    def load(self, i: int) -> dict[str, nn.Module]:
+        """Load decoder layer ``i``'s weights; return its quantizable modules by full path."""
+        load_into(self.net, dict(self.source.layer_weights(i)))
+        return quantizable_modules(self.layers[i], prefix=f"{self.prefix}{i}.")
+
+    def forward(self, i: int, hidden: Any, col: GramCollector | None = None) -> Any:
+        """Layer ``i``'s float32 output on ``hidden`` (this rank's batches); ``col`` collects its inputs (all ranks' sums)."""
+        layer = self.layers[i]
+        ys = []
+        for b, sl in enumerate(self.batches):
+            if not self.share.runs(b):
+                continue
+            args, kwargs = self.calls[b][i]
+            y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
+            mx.eval(y)
+            if col is not None:
+                self.share.flush(col, b)
+            ys.append(y)
+        if col is not None:
+            dist.reduce_stats(col)
+        return self.share.join(ys)
+
+    def free(self, i: int) -> None:
+        """Release layer ``i``'s weights."""
+        free_module(self.layers[i])
+
+    def outside_modules(self) -> dict[str, nn.Module]:
+        """The quantizable modules outside the decoder layers (embedding, head), by full path."""
+        return {p: m for p, m in quantizable_modules(self.net).items() if not p.startswith(self.prefix)}

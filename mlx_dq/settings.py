@@ -1,0 +1,159 @@
+"""Stage settings as data: each stage's options, their defaults and their allowed values, in one place.
+
+The library functions (:func:`mlx_dq.measure.measure`, :func:`mlx_dq.convert.convert`,
+:func:`mlx_dq.convert.quantize_model`) and the command line both take their
+defaults from these classes (the click options are built from them and a test
+checks they agree), so one set of arguments gives the same model from the
+shell and from Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .gptq import DEFAULT_DAMP
+
+METHODS = ("gptq", "rtn")  # GPTQ error compensation, or round-to-nearest with the clip search
+IMPORTANCE_MODES = ("residual", "kl", "none")
+EXPERT_MODES = ("per_expert", "shared")
+DTYPES = ("float16", "bfloat16", "auto")
+HEAD_CHUNK = 128  # positions per head call: logits are [chunk, vocab] float32, never [calibration tokens, vocab]
+
+
+class _Settings:
+    """Shared behaviour: built from keyword options (unknown names refused), checked, and turned into a dict."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names of this stage."""
+        return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def split(cls, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``options`` split into (this stage's, the rest)."""
+        mine = {k: v for k, v in options.items() if k in cls.names()}
+        return mine, {k: v for k, v in options.items() if k not in mine}
+
+    def with_options(self, **options: Any):  # noqa: ANN201 - returns the same settings class
+        """A copy with ``options`` changed; a name this stage does not have is a TypeError, as for a function."""
+        unknown = sorted(set(options) - set(self.names()))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no option(s) {', '.join(unknown)}")
+        new = replace(self, **options)  # type: ignore[type-var]
+        new.check()
+        return new
+
+    def check(self) -> None:
+        """Raise ValueError for a value outside its allowed range."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as plain values (paths as strings), for manifests and digests."""
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v)
+                for f in fields(self)}  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CalibSettings(_Settings):
+    """Calibration rows: which text, how many rows of how many tokens, and the seed choosing them."""
+
+    calib: str | Path | None = None
+    rows: int = 32
+    seq_len: int = 512
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.rows < 1 or self.seq_len < 2:
+            raise ValueError(f"need rows >= 1 and seq_len >= 2; got rows={self.rows}, seq_len={self.seq_len}")
+
+
+@dataclass(frozen=True)
+class MeasureSettings(_Settings):
+    """What ``measure`` does: calibration, option grid, importance and the quantizer whose errors are measured.
+
+    ``clip`` None means the method's default (on with gptq, off with rtn); see :meth:`resolved_clip`.
+    """
+
+    calib: str | Path | None = None
+    rows: int = 16
+    seq_len: int = 512
+    seed: int = 0
+    grid: str | Path | None = None
+    importance: str = "residual"
+    importance_rows: int = 4
+    batch_size: int = 4
+    expert_mode: str = "per_expert"
+    clip: bool | None = None
+    method: str = "gptq"
+    kl_scale: bool = True
+    head_chunk: int = HEAD_CHUNK
+    sample_rows: int = 0
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.importance not in IMPORTANCE_MODES:
+            raise ValueError(f"importance must be one of {IMPORTANCE_MODES}, got {self.importance!r}")
+        if self.rows < 1 or self.seq_len < 2 or self.batch_size < 1 or self.importance_rows < 1:
+            raise ValueError(
+                "need rows >= 1, seq_len >= 2, batch_size >= 1 and importance_rows >= 1; got "
+                f"rows={self.rows}, seq_len={self.seq_len}, batch_size={self.batch_size}, "
+                f"importance_rows={self.importance_rows}"
+            )
+        if self.sample_rows < 0:
+            raise ValueError(f"sample_rows must be >= 0, got {self.sample_rows}")
+
+    @property
+    def resolved_clip(self) -> bool:
+        """The clip search actually used: as given, else on for gptq and off for rtn."""
+        return self.method == "gptq" if self.clip is None else bool(self.clip)
+
+    @property
+    def resolved_kl_scale(self) -> bool:
+        """KL units apply to residual importance only."""
+        return self.kl_scale and self.importance == "residual"
+
+
+@dataclass(frozen=True)
+class QuantizeSettings(_Settings):
+    """How ``convert`` quantizes: calibration rows, method, sequential inputs, clip search, damping, output dtype."""
+
+    calib: str | Path | None = None
+    rows: int = 32
+    seq_len: int = 512
+    seed: int = 0
+    method: str = "gptq"
+    sequential: bool = True
+    clip: bool = True
+    damp: float = DEFAULT_DAMP
+    dtype: str = "float16"
+    promote_mixed: bool = False
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be float16, bfloat16 or auto (the source's), got {self.dtype!r}")
+        CalibSettings(self.calib, self.rows, self.seq_len, self.seed).check()
+
+    def measure_defaults(self) -> dict[str, Any]:
+        """The measurement options that follow from these settings: the same rows and the same quantizer.
+
+        The measurement convert makes uses its calibration rows (text, count, length,
+        seed) and its method and clip search, so the errors the plan is built on are
+        the errors this conversion produces.
+        """
+        return {"calib": self.calib, "rows": self.rows, "seq_len": self.seq_len, "seed": self.seed,
+                "method": self.method, "clip": None if self.clip else False}
+
+
+@dataclass(frozen=True)
+class PlanSettings(_Settings):
+    """What ``convert`` plans for: the bpw target, embedding/head option, kept tensors, stock-loadable options."""
+
+    bpw: float | None = None
+    head_option: str | None = None
+    keep: tuple[str, ...] = field(default=())
+    keep_outside_budget: bool = False
+    mlx_lm_compatible: bool = False

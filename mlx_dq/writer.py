@@ -1,0 +1,333 @@
+"""The output folder: safetensors shards, config.json, the manifest, the model file, and publishing it.
+
+A conversion builds its folder in a temporary sibling (:func:`prepare_output`)
+and renames it into place when complete (:func:`publish`), so an interrupted
+convert never leaves a folder that looks complete. This module owns the file
+names and formats of that folder (``mlx_dq.json`` and its schema, the model
+file shim ``mlx_dq_model.py``) and reads them back (:func:`read_manifest`,
+:func:`verify_model_file`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .formats.facts import packing_facts
+from .names import MANIFEST_NAME, MANIFEST_SCHEMA, MODEL_FILE, default_bits_group
+from .options import QuantOption
+from .optimize import Plan
+from .quant import QuantizedTensor, output_error
+from .safety import finite_number, guard_output_folder, make_partial_folder, publish_folder
+
+MANIFEST_VERSION = 2  # 2: module "bits" -> "storage_bits", "dense_bytes" -> "kept16_bytes", facts added
+DEFAULT_SHARD_BYTES = 4 << 30
+
+MODEL_FILE_TEXT = '''"""mlx-lm model file for an mlx-dq output with mixed-proportion layers.
+
+mlx-lm loads it with ``trust_remote_code=True`` (CLIs: ``--trust-remote-code``).
+It wraps mlx-lm's own model class for this folder's ``model_type`` and swaps in
+mlx-dq's mixed layers listed under ``mlx_dq.mixed`` in config.json.
+"""
+
+import json
+from pathlib import Path
+
+try:
+    from mlx_dq.loader import mixed_model_classes
+except ImportError as e:  # pragma: no cover - depends on the user's environment
+    raise ImportError("this model has mixed-proportion layers: install mlx-dq (pip install mlx-dq)") from e
+
+_CONFIG = json.loads((Path(__file__).parent / "config.json").read_text())
+Model, ModelArgs = mixed_model_classes(_CONFIG)
+'''
+
+
+def tensor_arrays(path: str, qt: QuantizedTensor, dtype: mx.Dtype) -> dict[str, mx.array]:
+    """The arrays stored for module ``path`` quantized as ``qt`` (names as the loading layer expects).
+
+    Scales and biases keep the 16-bit dtype they were quantized with (the codes
+    were rounded against exactly those values); ``dtype`` applies to 16-bit tensors.
+    """
+    if qt.fp is not None:
+        return {f"{path}.weight": qt.fp.astype(dtype)}
+    if not qt.option.is_mixed:
+        w, s, b = qt.parts[0]
+        return {f"{path}.weight": w, f"{path}.scales": s, f"{path}.biases": b}
+    out = {}
+    for i, (w, s, b) in enumerate(qt.parts):
+        out[f"{path}.weight_{i}"] = w
+        out[f"{path}.scales_{i}"] = s
+        out[f"{path}.biases_{i}"] = b
+    out[f"{path}.perm"] = mx.array(qt.perm)
+    return out
+
+
+class ShardWriter:
+    """Writes arrays into numbered safetensors shards as they come, then names them like mlx-lm does."""
+
+    def __init__(self, folder: Path, max_bytes: int = DEFAULT_SHARD_BYTES):
+        self.folder = folder
+        self.max_bytes = max_bytes
+        self.pending: dict[str, mx.array] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.nbytes = 0
+
+    def add(self, arrays: dict[str, mx.array]) -> None:
+        """Queue ``arrays``; a shard is written when it would grow past ``max_bytes``."""
+        size = sum(a.nbytes for a in arrays.values())
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending.update(arrays)
+        self.pending_bytes += size
+        self.nbytes += size
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.folder / f"shard-{len(self.files):05d}.safetensors"
+        mx.save_safetensors(str(path), self.pending, metadata={"format": "mlx"})
+        self.files.append((path, sorted(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write the last shard, rename shards (``model.safetensors`` or ``model-0000i-of-0000n``), write the index."""
+        self._flush()
+        n = len(self.files)
+        out, weight_map = [], {}
+        for i, (path, keys) in enumerate(self.files):
+            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(self.folder / name)
+            out.append(self.folder / name)
+            weight_map.update({k: name for k in keys})
+        if n > 1:
+            index = {"metadata": {"total_size": self.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return out
+
+
+def prepare_output(out: Path, force: bool) -> Path:
+    """Check ``out`` may be written and return a fresh temporary sibling folder to build it in.
+
+    Leftover ``.NAME.partial-PID`` folders of killed conversions in the same parent are removed first.
+    """
+    guard_output_folder(out, force)
+    return make_partial_folder(out)
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Move the finished folder into place (replacing an old one only now, when the new one is complete)."""
+    publish_folder(tmp, out)
+
+
+def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array],
+            dtype: str = "float16") -> dict:
+    """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation)."""
+    opt = qt.option
+    err = output_error(w, qt.dequantize(mx.float32), gram) if gram is not None and not opt.keep16 else None
+    return {
+        "option": opt.desc,
+        "shape": list(qt.shape),
+        "numel": int(math.prod(qt.shape)),
+        "storage_bits": int(opt.storage_bits(qt.shape)),
+        "bpw": opt.bpw(qt.shape),
+        "packing": packing_facts(opt, qt.shape, dtype),
+        "bytes": int(sum(a.nbytes for a in arrays.values())),
+        "err": err,
+        "clip": {k: qt.stats[k] for k in ("clipped_fraction", "clip_improvement") if k in qt.stats},
+    }
+
+
+def output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: str = "float16",
+                  numel: dict[str, int] | None = None) -> dict:
+    """config.json for the output: source config + mlx-lm ``quantization`` (+ ``model_file`` and mixed layers).
+
+    The folder-wide default bits and group size are the most common by weights
+    (``numel`` per module), the same rule as the plan's MLX-config export.
+    """
+    config = {k: v for k, v in src.items() if k not in ("quantization", "quantization_config", "model_file")}
+    config["torch_dtype"] = dtype
+    if qconf:
+        numel = numel or {}
+        bits, gs = default_bits_group((e["bits"], e["group_size"], numel.get(k, 1)) for k, e in qconf.items())
+        config["quantization"] = {"group_size": gs, "bits": bits, "mode": "affine", **dict(sorted(qconf.items()))}
+    if mixed:
+        config["model_file"] = MODEL_FILE
+        config["mlx_dq"] = {"mixed": dict(sorted(mixed.items()))}
+    return config
+
+
+def build_manifest(
+    source: Any, plan: Plan, records: dict, mixed: dict, files: list[Path], config: dict, version: str,
+    other_bytes: int, array_bytes: int, calib: dict, settings: dict, seconds: float,
+) -> dict:
+    """The accounting and provenance record written as ``mlx_dq.json``."""
+    import mlx_lm
+
+    quant = {k: r for k, r in records.items() if r["option"] != "16bit"}
+    q_bits = sum(r["storage_bits"] for r in records.values())
+    numel = sum(r["numel"] for r in records.values())
+    budget_keys = {e.key for e in plan.tensors if e.scope == "budget"}
+    b_bits = sum(r["storage_bits"] for k, r in records.items() if k in budget_keys)
+    b_numel = sum(r["numel"] for k, r in records.items() if k in budget_keys)
+    disk = sum(f.stat().st_size for f in files)
+    packed = sum(r["storage_bits"] for r in quant.values()) // 8
+    tied = {}
+    if config.get("tie_word_embeddings") or any(k.endswith("embed_tokens") for k in records) and not any(
+        k.endswith("lm_head") for k in records
+    ):
+        emb = [k for k in records if k.endswith("embed_tokens")]
+        if emb:
+            tied = {"lm_head": emb[0]}
+    return {
+        "schema": MANIFEST_SCHEMA,
+        "schema_version": MANIFEST_VERSION,
+        "mlx_dq": version,
+        "mlx_lm": getattr(mlx_lm, "__version__", "unknown"),
+        "mlx": mx.__version__,
+        "accounting": {
+            "packed_bytes": int(packed),
+            "kept16_bytes": int(sum(r["bytes"] for k, r in records.items() if k not in quant)),
+            "predicted_tensor_bytes": int(q_bits // 8),
+            "other_bytes": int(other_bytes),
+            "predicted_bytes": int(q_bits // 8 + other_bytes),
+            "array_bytes": int(array_bytes),
+            "weights_on_disk_bytes": int(disk),
+            "quantized_elements": int(sum(r["numel"] for r in quant.values())),
+            "elements": int(numel),
+            "average_bits": b_bits / b_numel if b_numel else None,
+            "average_bits_all": q_bits / numel if numel else None,
+            "target_bpw": plan.target_bpw,
+        },
+        "tied": tied,
+        "expert_banks": sorted(k for k, r in records.items() if len(r["shape"]) == 3),
+        "mixed_modules": sorted(mixed),
+        "loading": (
+            "mlx_lm.load(path, trust_remote_code=True) / --trust-remote-code, or mlx_dq.load(path)"
+            if mixed else "mlx_lm.load(path) / mlx_lm.generate --model path"
+        ),
+        "provenance": {
+            "source": {"spec": source.spec, "kind": source.kind, "fingerprint": source.fingerprint(),
+                       "model_type": source.config.get("model_type")},
+            "plan": {"target_bpw": plan.target_bpw, "achieved_bpw": plan.achieved_bpw,
+                     "objective": plan.objective, "lower_bound": plan.lower_bound, "gap": plan.gap,
+                     "method": plan.method, "source": plan.source},
+            "calibration": calib,
+            "settings": settings,
+            "quantization_seconds": round(seconds, 2),
+        },
+        "modules": dict(sorted(records.items())),
+    }
+
+
+# --------------------------------------------------------------------------
+# reading a folder back
+# --------------------------------------------------------------------------
+def read_manifest(folder: str | Path, missing_ok: bool = False) -> dict | None:
+    """The manifest ``mlx_dq.json`` of an output folder.
+
+    ValueError when it is corrupt or foreign, and when it is missing unless
+    ``missing_ok`` (then None: a folder that is not an mlx-dq output).
+    """
+    path = Path(folder) / MANIFEST_NAME
+    if not path.exists():
+        if missing_ok:
+            return None
+        raise ValueError(f"{folder} has no {MANIFEST_NAME}: not an mlx-dq output folder")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA or "modules" not in data:
+        raise ValueError(f"{path} is not an mlx-dq manifest")
+    return data
+
+
+def _bad(path: Path, what: str) -> ValueError:
+    return ValueError(f"{path}: {what}")
+
+
+def check_manifest(manifest: dict, path: Path) -> None:
+    """ValueError unless the fields the bit map and the checks read have the right types and finite values."""
+    def number(v: Any, where: str, nullable: bool = False) -> None:
+        if v is None and nullable:
+            return
+        try:
+            finite_number(v, where, minimum=0.0)
+        except ValueError as e:
+            raise _bad(path, str(e)) from None
+
+    modules = manifest.get("modules")
+    if not isinstance(modules, dict) or not modules:
+        raise _bad(path, "'modules' must be a non-empty object of module records")
+    for name, rec in modules.items():
+        where = f"module {name!r}"
+        if not isinstance(rec, dict):
+            raise _bad(path, f"{where} must be an object")
+        option = rec.get("option")
+        if not isinstance(option, str):
+            raise _bad(path, f"{where}: option must be a string, got {option!r}")
+        try:
+            QuantOption.parse(option)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise _bad(path, f"{where}: {e}") from None
+        shape = rec.get("shape")
+        if not isinstance(shape, list) or len(shape) < 2 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise _bad(path, f"{where}: shape must be a list of positive integers, got {shape!r}")
+        bits_field = "storage_bits" if "storage_bits" in rec else "bits"  # named storage_bits from version 2
+        for f in ("bpw", bits_field, "numel", "bytes"):
+            number(rec.get(f), f"{where}: {f}")
+        if rec["numel"] != math.prod(shape):
+            raise _bad(path, f"{where}: numel {rec['numel']} does not match shape {shape}")
+        opt = QuantOption.parse(option)
+        if rec[bits_field] != opt.storage_bits(shape) or abs(rec["bpw"] - opt.bpw(shape)) > 1e-6:
+            raise _bad(path, f"{where}: {bits_field}/bpw {rec[bits_field]}/{rec['bpw']} are not the storage of {option}")
+    acc = manifest.get("accounting", {})
+    if not isinstance(acc, dict):
+        raise _bad(path, "'accounting' must be an object")
+    for k, v in acc.items():
+        number(v, f"accounting.{k}", nullable=True)
+    if not isinstance(manifest.get("tied", {}), dict):
+        raise _bad(path, "'tied' must be an object")
+
+
+def verify_model_file(folder: str | os.PathLike) -> str:
+    """Check that the only code a folder asks mlx-lm to import is mlx-dq's own shim; returns what was found.
+
+    ValueError when config.json's ``model_file`` names anything but mlx-dq's model
+    file, or when that file differs by one byte from the shim mlx-dq writes
+    (``trust_remote_code`` would import it). A folder without ``model_file`` runs
+    no folder code.
+    """
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{folder} is not a model folder (no config.json)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{cfg_path} cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path} is not a JSON object")
+    if "model_file" not in config:
+        return f"{folder}: config.json names no model_file: mlx-lm runs no code from this folder"
+    name = config["model_file"]
+    if name != MODEL_FILE:
+        raise ValueError(f"{cfg_path}: model_file is {name!r}, not mlx-dq's {MODEL_FILE!r}: mlx-lm with "
+                         "--trust-remote-code would import that file; do not trust this folder")
+    path = folder / MODEL_FILE
+    if path.is_symlink() or not path.is_file():
+        raise ValueError(f"{path} is missing or not a plain file")
+    if path.read_bytes() != MODEL_FILE_TEXT.encode("utf-8"):
+        raise ValueError(f"{path} differs from the model file mlx-dq writes: it was altered; do not trust this "
+                         "folder with --trust-remote-code (mlx_dq.load and mlx_dq generate never run it)")
+    return f"{folder}: {MODEL_FILE} is byte-identical to mlx-dq's shim and config.json names exactly it"
