@@ -9,6 +9,7 @@ from typing import Any
 import click
 import mlx.core as mx
 
+from mlx_dq.names import MANIFEST_NAME, MANIFEST_SCHEMA
 from mlx_dq.settings import DTYPES, IMPORTANCE_MODES, METHODS, MeasureSettings, PlanSettings, QuantizeSettings
 
 _M, _Q, _P = MeasureSettings(), QuantizeSettings(), PlanSettings()  # the defaults every option below shows
@@ -631,13 +632,13 @@ def export(source: str, form: str, output: str, force: bool) -> None:
     from mlx_dq.formats import json_kind
     from mlx_dq.safety import guard_output_file
 
-    path = Path(source) / "mlx_dq.json" if Path(source).is_dir() else Path(source)
+    path = Path(source) / MANIFEST_NAME if Path(source).is_dir() else Path(source)
     try:
         guard_output_file(output, "-o/--output", inputs=[("source", path)], force=force,
                           kind="an earlier export (dynquant, MLX config or dashq record)",
                           is_kind=lambda p: json_kind(p) in ("dynquant", "mlx_kept16", "dashq") or _is_record(p))
         doc = read_json(path)
-        ours = isinstance(doc, dict) and (doc.get("schema") == "mlx_dq.manifest" or doc.get("format") == "mlx_dq.plan")
+        ours = isinstance(doc, dict) and (doc.get("schema") == MANIFEST_SCHEMA or doc.get("format") == "mlx_dq.plan")
         if not ours:
             raise ValueError(f"{path}: not an mlx_dq manifest or plan")
         if form == "dynquant":
@@ -645,7 +646,7 @@ def export(source: str, form: str, output: str, force: bool) -> None:
         elif form == "mlx-kept16":
             out = mlx_kept16.from_ours(doc)
         else:
-            if doc.get("schema") != "mlx_dq.manifest":
+            if doc.get("schema") != MANIFEST_SCHEMA:
                 raise ValueError(f"{path}: the {form} form needs a manifest (an output folder), not a plan")
             out = dashq.record_from_manifest(doc)
             out = dashq.to_dashq(out) if form == "dashq" else out

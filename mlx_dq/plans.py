@@ -9,6 +9,7 @@ in the manifest.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterable
 

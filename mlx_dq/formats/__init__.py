@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..names import MANIFEST_SCHEMA
 from .common import read_json
 
 FORMS = ("mlx_dq.plan", "mlx_dq.manifest", "mlx_dq.measurement", "exl2_v1", "exl2_v2", "dynquant", "mlx_kept16",
@@ -32,7 +33,7 @@ def detect(data: Any) -> str:
         return "unknown"
     if data.get("format") == "mlx_dq.plan":
         return "mlx_dq.plan"
-    if data.get("schema") == "mlx_dq.manifest":
+    if data.get("schema") == MANIFEST_SCHEMA:
         return "mlx_dq.manifest"
     meas = detect_format(data)
     if meas != "unknown":

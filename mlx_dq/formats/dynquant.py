@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
+from ..names import MANIFEST_SCHEMA
 from ..options import QuantOption
 from .common import plan_from_widths
 
@@ -143,7 +144,7 @@ def from_ours(doc: Mapping) -> dict:
     """
     from .. import __version__
 
-    is_manifest = doc.get("schema") == "mlx_dq.manifest"
+    is_manifest = doc.get("schema") == MANIFEST_SCHEMA
     if is_manifest:
         dtype = (doc.get("provenance") or {}).get("settings", {}).get("dtype", "float16")
         recs = {k: (QuantOption.parse(r["option"]), r["shape"], r.get("bytes"), r.get("clip"))

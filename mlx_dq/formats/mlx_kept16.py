@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
+from ..names import MANIFEST_SCHEMA
 from .common import plan_from_widths, strip_weight
 
 FORM = "mlx_kept16"
@@ -63,7 +64,7 @@ def from_ours(doc: Mapping) -> dict:
     if doc.get("format") == "mlx_dq.plan":
         entries = [PlanEntry(**e) for e in doc["tensors"]]
         plan = Plan(**{k: v for k, v in doc.items() if k not in ("format", "version", "tensors")}, tensors=entries)
-    elif doc.get("schema") == "mlx_dq.manifest":
+    elif doc.get("schema") == MANIFEST_SCHEMA:
         entries = [PlanEntry(k, r["option"], r["storage_bits"], r["shape"], r["numel"])
                    for k, r in doc["modules"].items()]
         plan = Plan(0.0, 0.0, 0.0, None, None, 0, 0, 0, 0.0, tensors=entries)
