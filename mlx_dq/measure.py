@@ -698,9 +698,8 @@ def _embed(run: _Run) -> None:
 
 def _measure_layer(run: _Run, i: int) -> None:
     """Decoder layer ``i``: collect its inputs, measure every option of its tensors, their importance; save."""
-
     t0 = time.perf_counter()
-    runner, s, m = run.runner, run.s, run.m
+    runner, m = run.runner, run.m
     layer = runner.layers[i]
     mods = {p: mod for p, mod in runner.load(i).items() if role_of(p) is not None}
     dist.set_stage(i)
@@ -713,7 +712,7 @@ def _measure_layer(run: _Run, i: int) -> None:
         mx.eval(run.carried[k])
     records, refs, owner = _measure_options(run, mods, col)
     t2 = time.perf_counter()
-    _layer_importance(run, i, mods, col, records, refs, owner)
+    _layer_importance(run, i, mods, records, refs, owner)
     run.hidden = new_hidden
     del new_hidden, refs, col
     runner.free(i)
@@ -730,7 +729,6 @@ def _measure_layer(run: _Run, i: int) -> None:
 
 def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) -> tuple[list, dict, dict]:
     """Every option of every tensor of a layer (this rank's share); the reference options' weights for importance."""
-
     s = run.s
     records, refs = [], {}
     owner = _share_options(mods, run.grid_map, s.method, run.clip)  # {} with one rank
@@ -758,8 +756,8 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
     return records, refs, owner
 
 
-def _layer_importance(run: _Run, i: int, mods: dict[str, nn.Module], col: GramCollector, records: list,
-                      refs: dict, owner: dict) -> None:
+def _layer_importance(run: _Run, i: int, mods: dict[str, nn.Module], records: list, refs: dict,
+                      owner: dict) -> None:
     """Residual importance of a layer's tensors, and (sampled layers) the perturbed copy carried to the logits."""
     s, layer, call0 = run.s, run.runner.layers[i], run.runner.calls[0][i]
     hidden = run.hidden
@@ -813,7 +811,6 @@ def _kl_scale(run: _Run, head_kl: "_HeadKL") -> float:
 
 def _measure_head(run: _Run) -> None:
     """Head and embedding: the final hidden states through the model's own norm and head."""
-
     s, m, model, tokens, share = run.s, run.m, run.runner.net, run.tokens, run.runner.share
     head_mods = {p: mod for p, mod in run.runner.outside_modules().items() if role_of(p) is not None}
     nlls = []
@@ -850,7 +847,6 @@ def _measure_head(run: _Run) -> None:
 def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCollector, head_kl: Any,
                          scale: float, owner: dict) -> tuple[TensorRecord, nn.Module, Any]:
     """One embedding or head tensor's options (end-to-end KL damage for the head when in KL units)."""
-
     s, m, embed_lookup = run.s, run.m, run.embed_lookup
     role = role_of(path)
     stats = head_col.stats.get(path)
@@ -896,7 +892,6 @@ def _finish(run: _Run) -> Measurement:
 
 def _share_options(mods: dict[str, nn.Module], grid_map: dict, method: str, clip: bool) -> dict[tuple[str, str], int]:
     """The rank that measures each (tensor, option) of ``mods``, balanced by cost; {} with one rank."""
-
     if not dist.active():
         return {}
     units = [(p, o) for p, mod in mods.items()
@@ -908,7 +903,6 @@ def _share_options(mods: dict[str, nn.Module], grid_map: dict, method: str, clip
 def kl_importance(source: Any, m: Measurement, tokens: mx.array, grid_map: dict, clip: bool = True,
                   progress: bool = True) -> None:
     """Set each tensor's importance to end-to-end KL / err**2 at its reference option (whole model in memory)."""
-
     model = source.model(mx.float32)
     mods = {p: mod for p, mod in quantizable_modules(model).items() if p in m.tensors}
     options = {p: reference_option(grid_map[role_of(p)], int(mod.weight.shape[-1])) for p, mod in mods.items()}
