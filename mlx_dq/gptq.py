@@ -186,6 +186,12 @@ def _candidate_error(w: mx.array, weight: mx.array, s16: mx.array, b16: mx.array
 
 
 @mx.compile
+def _candidate_error_only(w: mx.array, weight: mx.array, s16: mx.array, b16: mx.array, n_bins: mx.array):
+    """The error part of :func:`_candidate_error` alone (no codes written)."""
+    return _candidate_error(w, weight, s16, b16, n_bins)[0]
+
+
+@mx.compile
 def _weighted_lsq(w: mx.array, weight: mx.array, q: mx.array, s16: mx.array, b16: mx.array):
     """Per-group (scale, bias) minimising ``sum weight*(w - scale*q - bias)^2`` for fixed codes ``q``."""
     wt = mx.broadcast_to(weight, w.shape)
@@ -220,28 +226,31 @@ def refine_group_params(
     wt = mx.array(1.0) if weight is None else weight.astype(mx.float32)
     n_bins = mx.array(float((1 << bits) - 1))
     best_s, best_b = scales.astype(mx.float16), biases.astype(mx.float16)
-    best_err, best_q = _candidate_error(w, wt, best_s, best_b, n_bins)
+    best_err = _candidate_error_only(w, wt, best_s, best_b, n_bins)
     s32, b32 = best_s.astype(mx.float32), best_b.astype(mx.float32)
     centre = b32 + s32 * n_bins / 2
     cands = [(s32, b32 + t * s32) for t in shifts]
     cands += [(s32 * f, centre - s32 * f * n_bins / 2) for f in rescales]
 
     def consider(s: mx.array, b: mx.array) -> None:
-        nonlocal best_s, best_b, best_err, best_q
+        nonlocal best_s, best_b, best_err
         s16, b16 = s.astype(mx.float16), b.astype(mx.float16)
         ok = mx.isfinite(s16) & mx.isfinite(b16)
         s16, b16 = mx.where(ok, s16, best_s), mx.where(ok, b16, best_b)
-        err, q = _candidate_error(w, wt, s16, b16, n_bins)
+        err = _candidate_error_only(w, wt, s16, b16, n_bins)
         better = err < best_err
         best_s, best_b = mx.where(better, s16, best_s), mx.where(better, b16, best_b)
         best_err = mx.where(better, err, best_err)
-        best_q = mx.where(better[..., None], q, best_q)
-        mx.eval(best_s, best_b, best_err, best_q)
 
+    # the candidates only update per-group parameters, so one evaluation covers them all; the codes
+    # of the best parameters (the refits' input) are recomputed from them when needed
     for s, b in cands:
         consider(s, b)
+    mx.eval(best_s, best_b, best_err)
     for _ in range(refits):
+        best_q = _candidate_error(w, wt, best_s, best_b, n_bins)[1]
         consider(*_weighted_lsq(w, wt, best_q, best_s, best_b))
+        mx.eval(best_s, best_b, best_err)
     return best_s, best_b
 
 

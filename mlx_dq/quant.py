@@ -393,6 +393,8 @@ def clip_search(
     n_bins = float((1 << bits) - 1)
     err_fn = _error_fn(n_bins, dtype, metric, weight is not None, int(w.shape[-1]))
     extra = () if weight is None else (weight,)
+    if metric == "diag" or weight is None:
+        return _clip_search_batched(w, target, extra, bits, n_bins, factors, rules, dtype, err_fn)
     wmin, wmax = w.min(-1), w.max(-1)
     scale, bias = affine_params(wmin, wmax, bits)
     best_s, best_b = scale.astype(dtype), bias.astype(dtype)
@@ -419,6 +421,78 @@ def clip_search(
         mx.eval(best_s, best_b, best_cs, best_err, best_f, best_lo, best_hi)
     codes = mx.clip(mx.round((w - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
     outside = (w < best_lo[..., None]) | (w > best_hi[..., None])
+    return ClipResult(best_s, best_b, codes, best_f, best_err, base_err, int(outside.sum().item()))
+
+
+BATCH_ELEMENTS = 1 << 22  # candidate x weight elements scored per evaluation by the batched clip search
+
+
+def _clip_search_batched(
+    w: mx.array,
+    target: mx.array,
+    extra: tuple,
+    bits: int,
+    n_bins: float,
+    factors: Sequence[float],
+    rules: Sequence[str],
+    dtype: mx.Dtype,
+    err_fn,
+) -> ClipResult:
+    """:func:`clip_search` with every candidate scored in one batched computation (candidates on a new axis).
+
+    Same candidates, same per-candidate error values and the same choice as the
+    one-candidate-at-a-time loop: the first candidate (in the loop's order,
+    plain rounding first) with the least error, NaN errors never chosen. Rows
+    are taken in chunks so that at most :data:`BATCH_ELEMENTS` candidate
+    values are live at once. Needs an elementwise error (``"diag"`` or none).
+    """
+    wmin, wmax = w.min(-1), w.max(-1)
+    scale, bias = affine_params(wmin, wmax, bits)
+    ss, bs, css, los, his, fs = [scale.astype(dtype)], [bias.astype(dtype)], [scale], [wmin], [wmax], [0.0]
+    for f, rule in itertools.product(factors, rules):
+        lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
+        hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
+        if rule == "edge":
+            s, b = affine_params(lo, hi, bits)
+        else:  # plain min/max: the levels span exactly [lo, hi]
+            s, b = mx.maximum((hi - lo) / n_bins, _EPS), lo
+        s = s.astype(dtype)
+        ss.append(s)
+        bs.append(b.astype(dtype))
+        css.append(s.astype(mx.float32))
+        los.append(lo)
+        his.append(hi)
+        fs.append(float(f))
+    n_c = len(ss)
+    s_all, b_all, cs_all = mx.stack(ss), mx.stack(bs), mx.stack(css)  # [C, B, R, G]
+    sf_all, bf_all = s_all.astype(mx.float32), b_all.astype(mx.float32)
+    mx.eval(s_all, b_all, cs_all, sf_all, bf_all)
+    nb, rows, ng, gs = (int(d) for d in w.shape)
+    step = max(1, BATCH_ELEMENTS // max(1, n_c * nb * ng * gs))
+    errs = []
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        e = err_fn(w[None, :, r0:r1], target[None, :, r0:r1], sf_all[:, :, r0:r1], bf_all[:, :, r0:r1],
+                   cs_all[:, :, r0:r1], *extra)
+        mx.eval(e)
+        errs.append(e)
+    err_all = errs[0] if len(errs) == 1 else mx.concatenate(errs, axis=2)  # [C, B, R, G]
+    base_err = err_all[0]
+    scored = mx.concatenate([err_all[:1], mx.where(mx.isnan(err_all[1:]), mx.inf, err_all[1:])])
+    least = scored.min(0, keepdims=True)
+    pos = mx.arange(n_c, dtype=mx.int32).reshape(n_c, 1, 1, 1)
+    first = mx.where(scored == least, pos, n_c).min(0)  # first candidate reaching the least error
+    idx = mx.where(mx.isnan(base_err), 0, first)[None]
+
+    def pick(a: mx.array) -> mx.array:
+        return mx.take_along_axis(a, idx, axis=0)[0]
+
+    best_s, best_b, best_cs, best_err = pick(s_all), pick(b_all), pick(cs_all), pick(err_all)
+    best_f = mx.array(fs, dtype=mx.float32)[idx[0]]
+    best_lo, best_hi = pick(mx.stack(los)), pick(mx.stack(his))
+    codes = mx.clip(mx.round((w - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
+    outside = (w < best_lo[..., None]) | (w > best_hi[..., None])
+    mx.eval(best_s, best_b, best_err, best_f, codes, base_err)
     return ClipResult(best_s, best_b, codes, best_f, best_err, base_err, int(outside.sum().item()))
 
 

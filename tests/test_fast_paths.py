@@ -58,6 +58,39 @@ CLIP_CASES = [(bits, g, metric, weighted, dtype)
               for dtype in [mx.float16, mx.bfloat16]]
 
 
+def _reference_clip_search(w, bits, target, weight, metric, dtype, factors=quant.DEFAULT_CLIP_FACTORS,
+                           rules=quant.CLIP_RULES):
+    """clip_search as a loop over candidates, one evaluation each, per-weight error (the plain form)."""
+    n_bins = float((1 << bits) - 1)
+    err_fn = _reference_error_fn(n_bins, dtype, metric, weight is not None)
+    extra = () if weight is None else (weight,)
+    wmin, wmax = w.min(-1), w.max(-1)
+    scale, bias = quant.affine_params(wmin, wmax, bits)
+    best_s, best_b, best_cs = scale.astype(dtype), bias.astype(dtype), scale
+    base_err = err_fn(w, target, best_s.astype(mx.float32), best_b.astype(mx.float32), best_cs, *extra)
+    best_err, best_f, best_lo, best_hi = base_err, mx.zeros_like(base_err), wmin, wmax
+    for f in factors:
+        for rule in rules:
+            lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
+            hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
+            if rule == "edge":
+                s, b = quant.affine_params(lo, hi, bits)
+            else:
+                s, b = mx.maximum((hi - lo) / n_bins, quant._EPS), lo
+            s, b = s.astype(dtype), b.astype(dtype)
+            sf = s.astype(mx.float32)
+            err = err_fn(w, target, sf, b.astype(mx.float32), sf, *extra)
+            better = err < best_err
+            best_s, best_b = mx.where(better, s, best_s), mx.where(better, b, best_b)
+            best_cs = mx.where(better, sf, best_cs)
+            best_err, best_f = mx.where(better, err, best_err), mx.where(better, f, best_f)
+            best_lo, best_hi = mx.where(better, lo, best_lo), mx.where(better, hi, best_hi)
+            mx.eval(best_s, best_b, best_cs, best_err, best_f, best_lo, best_hi)
+    codes = mx.clip(mx.round((w - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
+    outside = (w < best_lo[..., None]) | (w > best_hi[..., None])
+    return quant.ClipResult(best_s, best_b, codes, best_f, best_err, base_err, int(outside.sum().item()))
+
+
 @pytest.mark.parametrize("bits,g,metric,weighted,dtype", CLIP_CASES)
 def test_clip_search_equals_reference(bits, g, metric, weighted, dtype, monkeypatch) -> None:
     rng = np.random.default_rng(bits * 1000 + g)
@@ -69,9 +102,9 @@ def test_clip_search_equals_reference(bits, g, metric, weighted, dtype, monkeypa
     weight = gram_weights(mx.array((x.T @ x)[None]), g, metric) if weighted else None
     target = mx.array(w)
     wd = target.astype(dtype).astype(mx.float32)
+    monkeypatch.setattr(quant, "BATCH_ELEMENTS", 5000)  # several row chunks
     fast = clip_search(wd, bits, target=target, weight=weight, metric=metric, dtype=dtype)
-    monkeypatch.setattr(quant, "_error_fn", _reference_error_fn)
-    ref = clip_search(wd, bits, target=target, weight=weight, metric=metric, dtype=dtype)
+    ref = _reference_clip_search(wd, bits, target=target, weight=weight, metric=metric, dtype=dtype)
     for name in ("scales", "biases", "codes", "factor", "err", "base_err"):
         assert mx.array_equal(getattr(fast, name), getattr(ref, name)).item(), name
     assert fast.clipped == ref.clipped
@@ -184,3 +217,53 @@ def test_gptq_core_equals_reference(desc, static) -> None:
     assert np.array_equal(res.scales, ref[1]) and np.array_equal(res.biases, ref[2])
     assert np.array_equal(res.assumed, ref[3])
     assert res.clipped == ref[4]
+
+
+def _reference_refine(w, scales, biases, bits, weight, shifts=gptq.DEFAULT_SHIFTS, rescales=gptq.DEFAULT_RESCALES,
+                      refits=2):
+    """refine_group_params in its plain form: every candidate evaluated and its codes kept as it goes."""
+    w = w.astype(mx.float32)
+    wt = weight.astype(mx.float32)
+    n_bins = float((1 << bits) - 1)
+
+    def cand(s16, b16):
+        s, b = s16.astype(mx.float32)[..., None], b16.astype(mx.float32)[..., None]
+        q = mx.where(s == 0, 0.0, mx.clip(mx.round((w - b) / mx.where(s == 0, 1.0, s)), 0, n_bins))
+        e = s * q + b - w
+        return (e * e * wt).sum(-1), q
+
+    best_s, best_b = scales.astype(mx.float16), biases.astype(mx.float16)
+    best_err, best_q = cand(best_s, best_b)
+    s32, b32 = best_s.astype(mx.float32), best_b.astype(mx.float32)
+    centre = b32 + s32 * n_bins / 2
+    cands = [(s32, b32 + t * s32) for t in shifts] + [(s32 * f, centre - s32 * f * n_bins / 2) for f in rescales]
+
+    def consider(s, b):
+        nonlocal best_s, best_b, best_err, best_q
+        s16, b16 = s.astype(mx.float16), b.astype(mx.float16)
+        ok = mx.isfinite(s16) & mx.isfinite(b16)
+        s16, b16 = mx.where(ok, s16, best_s), mx.where(ok, b16, best_b)
+        err, q = cand(s16, b16)
+        better = err < best_err
+        best_s, best_b = mx.where(better, s16, best_s), mx.where(better, b16, best_b)
+        best_err = mx.where(better, err, best_err)
+        best_q = mx.where(better[..., None], q, best_q)
+        mx.eval(best_s, best_b, best_err, best_q)
+
+    for s, b in cands:
+        consider(s, b)
+    for _ in range(refits):
+        consider(*gptq._weighted_lsq(w, wt, best_q, best_s, best_b))
+    return best_s, best_b
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
+def test_refine_group_params_equals_reference(bits) -> None:
+    rng = np.random.default_rng(bits)
+    w = mx.array((rng.standard_t(3, size=(2, 30, 5, 64)) * 0.02).astype(np.float32))
+    wt = mx.array((rng.random((1, 1, 5, 64)) * np.exp(rng.standard_normal(64))).astype(np.float32))
+    res = clip_search(w.astype(mx.float16).astype(mx.float32), bits, target=w, weight=wt, metric="diag")
+    got = gptq.refine_group_params(w, res.scales, res.biases, bits, wt)
+    want = _reference_refine(w, res.scales, res.biases, bits, wt)
+    assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
+    assert not mx.array_equal(got[0], res.scales).item()  # the refinement changed something
