@@ -436,7 +436,7 @@ def gptq_core(
             col = wt_[:, p, :]
             # same values as codes_f16 / dequant_f16, with the division done once and the parameters converted once
             raw = np.rint((col - bi) / safe)
-            q = np.clip(raw, 0.0, qm)
+            q = np.minimum(np.maximum(raw, 0.0), qm)  # np.clip's values, without its Python-level dispatch
             out = (raw < 0) | (raw > qm)
             if zero is not None:
                 q[zero] = 0.0
