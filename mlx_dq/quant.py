@@ -446,54 +446,58 @@ def _clip_search_batched(
     are taken in chunks so that at most :data:`BATCH_ELEMENTS` candidate
     values are live at once. Needs an elementwise error (``"diag"`` or none).
     """
-    wmin, wmax = w.min(-1), w.max(-1)
-    scale, bias = affine_params(wmin, wmax, bits)
-    ss, bs, css, los, his, fs = [scale.astype(dtype)], [bias.astype(dtype)], [scale], [wmin], [wmax], [0.0]
-    for f, rule in itertools.product(factors, rules):
-        lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
-        hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
-        if rule == "edge":
-            s, b = affine_params(lo, hi, bits)
-        else:  # plain min/max: the levels span exactly [lo, hi]
-            s, b = mx.maximum((hi - lo) / n_bins, _EPS), lo
-        s = s.astype(dtype)
-        ss.append(s)
-        bs.append(b.astype(dtype))
-        css.append(s.astype(mx.float32))
-        los.append(lo)
-        his.append(hi)
-        fs.append(float(f))
-    n_c = len(ss)
-    s_all, b_all, cs_all = mx.stack(ss), mx.stack(bs), mx.stack(css)  # [C, B, R, G]
-    sf_all, bf_all = s_all.astype(mx.float32), b_all.astype(mx.float32)
-    mx.eval(s_all, b_all, cs_all, sf_all, bf_all)
     nb, rows, ng, gs = (int(d) for d in w.shape)
+    n_c = 1 + len(factors) * len(rules)
     step = max(1, BATCH_ELEMENTS // max(1, n_c * nb * ng * gs))
-    errs = []
+    fs = mx.array([0.0] + [float(f) for f, _ in itertools.product(factors, rules)], dtype=mx.float32)
+    pos = mx.arange(n_c, dtype=mx.int32).reshape(n_c, 1, 1, 1)
+    out: dict[str, list[mx.array]] = {k: [] for k in ("s", "b", "err", "base", "f", "codes")}
+    clipped = 0
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        e = err_fn(w[None, :, r0:r1], target[None, :, r0:r1], sf_all[:, :, r0:r1], bf_all[:, :, r0:r1],
-                   cs_all[:, :, r0:r1], *extra)
-        mx.eval(e)
-        errs.append(e)
-    err_all = errs[0] if len(errs) == 1 else mx.concatenate(errs, axis=2)  # [C, B, R, G]
-    base_err = err_all[0]
-    scored = mx.concatenate([err_all[:1], mx.where(mx.isnan(err_all[1:]), mx.inf, err_all[1:])])
-    least = scored.min(0, keepdims=True)
-    pos = mx.arange(n_c, dtype=mx.int32).reshape(n_c, 1, 1, 1)
-    first = mx.where(scored == least, pos, n_c).min(0)  # first candidate reaching the least error
-    idx = mx.where(mx.isnan(base_err), 0, first)[None]
+        wc, tc = w[:, r0:r1], target[:, r0:r1]
+        wmin, wmax = wc.min(-1), wc.max(-1)
+        scale, bias = affine_params(wmin, wmax, bits)
+        ss, bs, css, los, his = [scale.astype(dtype)], [bias.astype(dtype)], [scale], [wmin], [wmax]
+        for f, rule in itertools.product(factors, rules):
+            lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
+            hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
+            if rule == "edge":
+                s, b = affine_params(lo, hi, bits)
+            else:  # plain min/max: the levels span exactly [lo, hi]
+                s, b = mx.maximum((hi - lo) / n_bins, _EPS), lo
+            s = s.astype(dtype)
+            ss.append(s)
+            bs.append(b.astype(dtype))
+            css.append(s.astype(mx.float32))
+            los.append(lo)
+            his.append(hi)
+        s_all, b_all, cs_all = mx.stack(ss), mx.stack(bs), mx.stack(css)  # [C, B, r, G]
+        err_all = err_fn(wc[None], tc[None], s_all.astype(mx.float32), b_all.astype(mx.float32), cs_all, *extra)
+        base_err = err_all[0]
+        scored = mx.concatenate([err_all[:1], mx.where(mx.isnan(err_all[1:]), mx.inf, err_all[1:])])
+        least = scored.min(0, keepdims=True)
+        first = mx.where(scored == least, pos, n_c).min(0)  # first candidate reaching the least error
+        idx = mx.where(mx.isnan(base_err), 0, first)[None]
 
-    def pick(a: mx.array) -> mx.array:
-        return mx.take_along_axis(a, idx, axis=0)[0]
+        def pick(a: mx.array) -> mx.array:
+            return mx.take_along_axis(a, idx, axis=0)[0]
 
-    best_s, best_b, best_cs, best_err = pick(s_all), pick(b_all), pick(cs_all), pick(err_all)
-    best_f = mx.array(fs, dtype=mx.float32)[idx[0]]
-    best_lo, best_hi = pick(mx.stack(los)), pick(mx.stack(his))
-    codes = mx.clip(mx.round((w - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
-    outside = (w < best_lo[..., None]) | (w > best_hi[..., None])
-    mx.eval(best_s, best_b, best_err, best_f, codes, base_err)
-    return ClipResult(best_s, best_b, codes, best_f, best_err, base_err, int(outside.sum().item()))
+        best_b, best_cs = pick(b_all), pick(cs_all)
+        codes = mx.clip(mx.round((wc - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
+        outside = (wc < pick(mx.stack(los))[..., None]) | (wc > pick(mx.stack(his))[..., None])
+        chosen = {"s": pick(s_all), "b": best_b, "err": pick(err_all), "base": base_err, "f": fs[idx[0]],
+                  "codes": codes}
+        n_out = outside.sum()
+        mx.eval(*chosen.values(), n_out)
+        clipped += int(n_out.item())
+        for k, v in chosen.items():
+            out[k].append(v)
+
+    def cat(k: str) -> mx.array:
+        return out[k][0] if len(out[k]) == 1 else mx.concatenate(out[k], axis=1)
+
+    return ClipResult(cat("s"), cat("b"), cat("codes"), cat("f"), cat("err"), cat("base"), clipped)
 
 
 # --------------------------------------------------------------------------
