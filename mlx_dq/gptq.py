@@ -54,6 +54,7 @@ from .quant import (
     _as_banks,
     act_order as energy_order,
     clip_search,
+    clipped_rint,
     default_clip_factors,
     output_error,
     pack_codes,
@@ -175,10 +176,15 @@ def _candidate_error(w: mx.array, weight: mx.array, s16: mx.array, b16: mx.array
     s = s16.astype(mx.float32)[..., None]
     b = b16.astype(mx.float32)[..., None]
     zero = s == 0
-    q = mx.clip(mx.round((w - b) / mx.where(zero, 1.0, s)), 0, n_bins)
-    q = mx.where(zero, 0.0, q)
+    q = mx.where(zero, 0.0, clipped_rint((w - b) / mx.where(zero, 1.0, s), n_bins))
     e = s * q + b - w
     return (e * e * weight).sum(-1), q
+
+
+@mx.compile
+def _candidate_error_only(w: mx.array, weight: mx.array, s16: mx.array, b16: mx.array, n_bins: mx.array):
+    """The error part of :func:`_candidate_error` alone (no codes written)."""
+    return _candidate_error(w, weight, s16, b16, n_bins)[0]
 
 
 @mx.compile
@@ -216,28 +222,31 @@ def refine_group_params(
     wt = mx.array(1.0) if weight is None else weight.astype(mx.float32)
     n_bins = mx.array(float((1 << bits) - 1))
     best_s, best_b = scales.astype(mx.float16), biases.astype(mx.float16)
-    best_err, best_q = _candidate_error(w, wt, best_s, best_b, n_bins)
+    best_err = _candidate_error_only(w, wt, best_s, best_b, n_bins)
     s32, b32 = best_s.astype(mx.float32), best_b.astype(mx.float32)
     centre = b32 + s32 * n_bins / 2
     cands = [(s32, b32 + t * s32) for t in shifts]
     cands += [(s32 * f, centre - s32 * f * n_bins / 2) for f in rescales]
 
     def consider(s: mx.array, b: mx.array) -> None:
-        nonlocal best_s, best_b, best_err, best_q
+        nonlocal best_s, best_b, best_err
         s16, b16 = s.astype(mx.float16), b.astype(mx.float16)
         ok = mx.isfinite(s16) & mx.isfinite(b16)
         s16, b16 = mx.where(ok, s16, best_s), mx.where(ok, b16, best_b)
-        err, q = _candidate_error(w, wt, s16, b16, n_bins)
+        err = _candidate_error_only(w, wt, s16, b16, n_bins)
         better = err < best_err
         best_s, best_b = mx.where(better, s16, best_s), mx.where(better, b16, best_b)
         best_err = mx.where(better, err, best_err)
-        best_q = mx.where(better[..., None], q, best_q)
-        mx.eval(best_s, best_b, best_err, best_q)
 
+    # the candidates only update per-group parameters, so one evaluation covers them all; the codes
+    # of the best parameters (the refits' input) are recomputed from them when needed
     for s, b in cands:
         consider(s, b)
+    mx.eval(best_s, best_b, best_err)
     for _ in range(refits):
+        best_q = _candidate_error(w, wt, best_s, best_b, n_bins)[1]
         consider(*_weighted_lsq(w, wt, best_q, best_s, best_b))
+        mx.eval(best_s, best_b, best_err)
     return best_s, best_b
 
 
@@ -399,6 +408,18 @@ def gptq_core(
     assumed = np.zeros((nb, k, rows), dtype=np.float32)
     sp_of = porder
     clipped = 0
+    group_cache: dict[int, tuple] = {}  # float32 views of a group's final parameters, made once per group
+
+    def group_params(g: int) -> tuple:
+        if g not in group_cache:
+            sg, bg = scales[g].astype(np.float32), biases[g].astype(np.float32)
+            zero = sg == 0
+            group_cache[g] = (sg, bg, np.where(zero, np.float32(1.0), sg), zero if zero.any() else None,
+                              float(q_max[g]))
+        return group_cache[g]
+
+    widest = max(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
+    scratch = np.empty((max(nb, u.shape[0]), widest, rows), dtype=np.float32)
     for b0, b1 in zip(bounds[:-1], bounds[1:]):
         err = np.zeros((nb, b1 - b0, rows), dtype=np.float32)
         for p in range(b0, b1):
@@ -407,17 +428,23 @@ def gptq_core(
             if not static_groups and sp == g_start[g]:
                 gsz = groups[g][1]
                 params_for(wt_[:, p : p + gsz, :].transpose(0, 2, 1), g, 1, gsz, int(g_bits[g]))
-            s, bi = scales[g].astype(np.float32), biases[g].astype(np.float32)
+            s, bi, safe, zero, qm = group_params(g)
             col = wt_[:, p, :]
-            q = codes_f16(col, s, bi, int(g_bits[g]))
-            dq = dequant_f16(q, s, bi)
-            raw = np.rint((col - bi) / np.where(s == 0, 1.0, s))
-            clipped += int(np.count_nonzero(((raw < 0) | (raw > q_max[g])) & (s != 0)))
+            # same values as codes_f16 / dequant_f16, with the division done once and the parameters converted once
+            raw = np.rint((col - bi) / safe)
+            q = np.minimum(np.maximum(raw, 0.0), qm)  # np.clip's values, without its Python-level dispatch
+            out = (raw < 0) | (raw > qm)
+            if zero is not None:
+                q[zero] = 0.0
+                out &= ~zero
+            clipped += int(np.count_nonzero(out))
+            dq = ((s * q).astype(np.float16).astype(np.float32) + bi).astype(np.float16).astype(np.float32)
             codes[:, sp, :] = q
             assumed[:, sp, :] = dq
             e = (col - dq) / u[:, p, p][:, None]
-            if p + 1 < b1:
-                wt_[:, p + 1 : b1, :] -= u[:, p, p + 1 : b1, None] * e[:, None, :]
+            if p + 1 < b1:  # rank-1 update of the block's remaining columns, through a reused buffer
+                upd = np.multiply(u[:, p, p + 1 : b1, None], e[:, None, :], out=scratch[:, : b1 - p - 1])
+                np.subtract(wt_[:, p + 1 : b1, :], upd, out=wt_[:, p + 1 : b1, :])
             err[:, p - b0, :] = e
         if b1 < k:
             wt_[:, b1:, :] -= np.matmul(u[:, b0:b1, b1:].transpose(0, 2, 1), err)

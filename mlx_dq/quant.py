@@ -218,7 +218,7 @@ def _candidate_error(
     Dequantizes as MLX does in ``dtype`` (``round(round(scale*q) + bias)``).
     """
     s, b = scale[..., None], bias[..., None]
-    q = mx.clip(mx.round((w - b) / code_scale[..., None]), 0.0, n_bins)
+    q = clipped_rint((w - b) / code_scale[..., None], n_bins)
     deq = _round_to(_round_to(s * q, dtype) + b, dtype)
     return _group_error(deq - target, weight, metric)
 
@@ -240,11 +240,89 @@ def _round_to(x: mx.array, dtype: mx.Dtype) -> mx.array:
     return mx.where(mx.abs(x) < 6.103515625e-05, subnormal, normal)
 
 
+_ROUNDER = 12582912.0  # 1.5 * 2**23: x + this - this rounds float32 x to an integer, ties to even
+
+
+def clipped_rint(x: mx.array, n_bins: float | mx.array) -> mx.array:
+    """``clip(round(x), 0, n_bins)`` (round half to even), bit-identical and cheaper on the CPU.
+
+    Adding and subtracting 1.5 * 2**23 rounds any ``|x| < 2**22`` to the nearest
+    integer (ties to even) in float32 arithmetic; larger magnitudes keep their
+    sign and lie beyond the clip range, so the clipped result is the same for
+    every input (infinities and NaN included).
+    """
+    return mx.clip((x + _ROUNDER) - _ROUNDER, 0.0, n_bins)
+
+
+def _level_codes(w: mx.array, bias: mx.array, code_scale: mx.array, n_bins: float) -> mx.array:
+    """Codes of ``w`` [..., G, g] for per-group ``bias``/``code_scale`` [..., G] (float32 integers)."""
+    return clipped_rint((w - bias[..., None]) / code_scale[..., None], n_bins)
+
+
+def _level_table(scale: mx.array, bias: mx.array, levels: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Every code's dequantized value per group, ``[..., G, levels]``: ``round(round(scale*q) + bias)`` in ``dtype``."""
+    return _round_to(_round_to(scale[..., None] * levels, dtype) + bias[..., None], dtype)
+
+
+def _residual_error(deq: mx.array, target: mx.array, weight: mx.array | None, metric: str) -> mx.array:
+    """Per-group error of the dequantized values ``deq`` against ``target``."""
+    return _group_error(deq - target, weight, metric)
+
+
+def _lut_candidate_error(
+    w: mx.array,
+    target: mx.array,
+    scale: mx.array,
+    bias: mx.array,
+    code_scale: mx.array,
+    weight: mx.array | None,
+    n_bins: float,
+    dtype: mx.Dtype,
+    metric: str,
+) -> mx.array:
+    """:func:`_candidate_error` with the two roundings done once per (group, code) instead of once per weight.
+
+    The dequantized value of a weight depends only on its group and code, so
+    a ``[..., G, 2**bits]`` table of them, gathered by code, gives bit-identical
+    values at a fraction of the elementwise work when ``2**bits`` is below the
+    group size.
+    """
+    fns = _lut_fns(n_bins, dtype, metric, weight is not None)
+    q = fns[0](w, bias, code_scale).astype(mx.uint16)  # casting outside the compiled kernel is faster
+    table = fns[1](scale, bias)
+    deq = mx.take_along_axis(table, q, axis=-1)
+    return fns[2](deq, target) if weight is None else fns[2](deq, target, weight)
+
+
 _compiled: dict = {}
 
 
-def _error_fn(n_bins: float, dtype: mx.Dtype, metric: str, weighted: bool):
-    """A compiled (fused) :func:`_candidate_error` for one bit width, dtype and metric."""
+def _lut_fns(n_bins: float, dtype: mx.Dtype, metric: str, weighted: bool) -> tuple:
+    """Compiled pieces of :func:`_lut_candidate_error`: codes, level table, error of the gathered values."""
+    key = ("lut", n_bins, dtype, metric, weighted)
+    if key not in _compiled:
+        levels = mx.arange(int(n_bins) + 1, dtype=mx.float32)
+        codes = mx.compile(partial(_level_codes, n_bins=n_bins))
+        table = mx.compile(lambda s, b: _level_table(s, b, levels, dtype))
+        if weighted:
+            err = mx.compile(lambda d, t, wt: _residual_error(d, t, wt, metric))
+        else:
+            err = mx.compile(lambda d, t: _residual_error(d, t, None, metric))
+        _compiled[key] = (codes, table, err)
+    return _compiled[key]
+
+
+def _error_fn(n_bins: float, dtype: mx.Dtype, metric: str, weighted: bool, group_size: int | None = None):
+    """A compiled (fused) :func:`_candidate_error` for one bit width, dtype and metric.
+
+    With ``group_size`` at least twice the number of codes, the table-lookup
+    form :func:`_lut_candidate_error` (same values, less work) is returned.
+    """
+    if group_size is not None and 2 * (int(n_bins) + 1) <= group_size:
+        fn = partial(_lut_candidate_error, n_bins=n_bins, dtype=dtype, metric=metric)
+        if weighted:
+            return lambda w, t, s, b, cs, wt: fn(w, t, s, b, cs, wt)
+        return lambda w, t, s, b, cs: fn(w, t, s, b, cs, None)
     key = (n_bins, dtype, metric, weighted)
     if key not in _compiled:
         fn = partial(_candidate_error, n_bins=n_bins, dtype=dtype, metric=metric)
@@ -313,8 +391,10 @@ def clip_search(
         raise ValueError(f"clip rules must be among {CLIP_RULES}, got {bad}")
     target = w if target is None else target
     n_bins = float((1 << bits) - 1)
-    err_fn = _error_fn(n_bins, dtype, metric, weight is not None)
+    err_fn = _error_fn(n_bins, dtype, metric, weight is not None, int(w.shape[-1]))
     extra = () if weight is None else (weight,)
+    if metric == "diag" or weight is None:
+        return _clip_search_batched(w, target, extra, bits, n_bins, factors, rules, dtype, err_fn)
     wmin, wmax = w.min(-1), w.max(-1)
     scale, bias = affine_params(wmin, wmax, bits)
     best_s, best_b = scale.astype(dtype), bias.astype(dtype)
@@ -342,6 +422,82 @@ def clip_search(
     codes = mx.clip(mx.round((w - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
     outside = (w < best_lo[..., None]) | (w > best_hi[..., None])
     return ClipResult(best_s, best_b, codes, best_f, best_err, base_err, int(outside.sum().item()))
+
+
+BATCH_ELEMENTS = 1 << 22  # candidate x weight elements scored per evaluation by the batched clip search
+
+
+def _clip_search_batched(
+    w: mx.array,
+    target: mx.array,
+    extra: tuple,
+    bits: int,
+    n_bins: float,
+    factors: Sequence[float],
+    rules: Sequence[str],
+    dtype: mx.Dtype,
+    err_fn,
+) -> ClipResult:
+    """:func:`clip_search` with every candidate scored in one batched computation (candidates on a new axis).
+
+    Same candidates, same per-candidate error values and the same choice as the
+    one-candidate-at-a-time loop: the first candidate (in the loop's order,
+    plain rounding first) with the least error, NaN errors never chosen. Rows
+    are taken in chunks so that at most :data:`BATCH_ELEMENTS` candidate
+    values are live at once. Needs an elementwise error (``"diag"`` or none).
+    """
+    nb, rows, ng, gs = (int(d) for d in w.shape)
+    n_c = 1 + len(factors) * len(rules)
+    step = max(1, BATCH_ELEMENTS // max(1, n_c * nb * ng * gs))
+    fs = mx.array([0.0] + [float(f) for f, _ in itertools.product(factors, rules)], dtype=mx.float32)
+    pos = mx.arange(n_c, dtype=mx.int32).reshape(n_c, 1, 1, 1)
+    out: dict[str, list[mx.array]] = {k: [] for k in ("s", "b", "err", "base", "f", "codes")}
+    clipped = 0
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        wc, tc = w[:, r0:r1], target[:, r0:r1]
+        wmin, wmax = wc.min(-1), wc.max(-1)
+        scale, bias = affine_params(wmin, wmax, bits)
+        ss, bs, css, los, his = [scale.astype(dtype)], [bias.astype(dtype)], [scale], [wmin], [wmax]
+        for f, rule in itertools.product(factors, rules):
+            lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
+            hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
+            if rule == "edge":
+                s, b = affine_params(lo, hi, bits)
+            else:  # plain min/max: the levels span exactly [lo, hi]
+                s, b = mx.maximum((hi - lo) / n_bins, _EPS), lo
+            s = s.astype(dtype)
+            ss.append(s)
+            bs.append(b.astype(dtype))
+            css.append(s.astype(mx.float32))
+            los.append(lo)
+            his.append(hi)
+        s_all, b_all, cs_all = mx.stack(ss), mx.stack(bs), mx.stack(css)  # [C, B, r, G]
+        err_all = err_fn(wc[None], tc[None], s_all.astype(mx.float32), b_all.astype(mx.float32), cs_all, *extra)
+        base_err = err_all[0]
+        scored = mx.concatenate([err_all[:1], mx.where(mx.isnan(err_all[1:]), mx.inf, err_all[1:])])
+        least = scored.min(0, keepdims=True)
+        first = mx.where(scored == least, pos, n_c).min(0)  # first candidate reaching the least error
+        idx = mx.where(mx.isnan(base_err), 0, first)[None]
+
+        def pick(a: mx.array) -> mx.array:
+            return mx.take_along_axis(a, idx, axis=0)[0]
+
+        best_b, best_cs = pick(b_all), pick(cs_all)
+        codes = mx.clip(mx.round((wc - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
+        outside = (wc < pick(mx.stack(los))[..., None]) | (wc > pick(mx.stack(his))[..., None])
+        chosen = {"s": pick(s_all), "b": best_b, "err": pick(err_all), "base": base_err, "f": fs[idx[0]],
+                  "codes": codes}
+        n_out = outside.sum()
+        mx.eval(*chosen.values(), n_out)
+        clipped += int(n_out.item())
+        for k, v in chosen.items():
+            out[k].append(v)
+
+    def cat(k: str) -> mx.array:
+        return out[k][0] if len(out[k]) == 1 else mx.concatenate(out[k], axis=1)
+
+    return ClipResult(cat("s"), cat("b"), cat("codes"), cat("f"), cat("err"), cat("base"), clipped)
 
 
 # --------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def quantize_tensor(
         if scale_dtype != mx.float16:
             raise ValueError("GPTQ rounds its codes against float16 scales: bfloat16 output needs method rtn")
         qt = gptq_quantize(w, option, gram, damp=damp, clip=clip, natural_order=natural,
-                           factor_cache=factor_cache)
+                           factor_cache=factor_cache, error_stats=False)  # callers meter the error themselves
     else:
         qt = quantize_weight(w, option, gram=gram, clip=clip, scale_dtype=scale_dtype, natural_order=natural)
     return promote_to_uniform(qt) if natural else qt
