@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .quant import BATCH_ELEMENTS
+
 BASE_RSS = 600 * 2**20  # Python, MLX, mlx-lm, tokenizer: measured on an empty measure run
 TIME_FACTOR = 3.0  # real seconds / matmul-bound seconds observed on a 2-core CPU (GPTQ bookkeeping, small matmuls)
 FIXED_S = 5.0  # start-up: imports, tokenizer, calibration text
@@ -24,6 +26,8 @@ OPTION_S = {"rtn": 0.1, "gptq": 0.3}  # per (tensor, option) overhead that does 
 TENSOR_S = 0.15  # per tensor overhead of convert
 JSON_BYTES_PER_OPTION = 600  # measurement JSON per (tensor, option)
 QUANT_COPIES = 6  # float32 copies of the largest tensor alive while it is quantized (GPTQ working arrays)
+CLIP_SEARCH_BYTES = 3 * 4 * BATCH_ELEMENTS  # the batched clip search's live float32 candidate arrays (one row chunk):
+# GPTQ's scale search and the converter's rounding use it
 
 
 @dataclass
@@ -144,7 +148,8 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
-    peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + QUANT_COPIES * 4 * largest + logits + head_extra
+    peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + QUANT_COPIES * 4 * largest + logits + head_extra \
+        + (CLIP_SEARCH_BYTES if method == "gptq" else 0)  # measuring RTN scores its options per Gram block
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON
     seconds = TIME_FACTOR * 2 * macs / f + FIXED_S + OPTION_S.get(method, 0.3) * n_meas
     return Estimate("measure", macs=macs, measurements=n_meas, seconds=seconds, peak_bytes=peak,
@@ -189,7 +194,7 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     peak = BASE_RSS + sum(4 * _numel(s) for _, s in other) + 2 * 4 * biggest_layer + 4 * tokens * hidden * 2 \
-        + QUANT_COPIES * 4 * largest + 4 * 128 * vocab * 2
+        + QUANT_COPIES * 4 * largest + CLIP_SEARCH_BYTES + 4 * 128 * vocab * 2
     if meas is not None:
         peak = max(peak, meas.peak_bytes)
     est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,
