@@ -49,8 +49,8 @@ PIPELINE_ORDER = [
 # functions longer than MAX_LINES, each with the reason it stays whole (see the README's layout section)
 MAX_LINES = 80
 LONG_FUNCTIONS = {
-    "mlx_dq.gptq.gptq_core": "the GPTQ inner loop; being reworked for speed separately, kept as one numeric kernel",
-    "mlx_dq.gptq.gptq_quantize": "GPTQ's setup around the kernel; being reworked for speed separately",
+    "mlx_dq.gptq.gptq_core": "the GPTQ inner loop, one numeric kernel whose steps share the column state",
+    "mlx_dq.gptq.gptq_quantize": "GPTQ's setup around the kernel: banks, channel order, factor cache and the stored parts",
     "mlx_dq.optimize._build": "builds the knapsack's item table in one pass over the measurement",
 }
 
