@@ -217,10 +217,9 @@ def _candidate_error(
 
     Dequantizes as MLX does in ``dtype`` (``round(round(scale*q) + bias)``).
     """
-    s, b = scale[..., None], bias[..., None]
-    q = clipped_rint((w - b) / code_scale[..., None], n_bins)
-    deq = _round_to(_round_to(s * q, dtype) + b, dtype)
-    return _group_error(deq - target, weight, metric)
+    q = _level_codes(w, bias, code_scale, n_bins)
+    deq = _round_to(_round_to(scale[..., None] * q, dtype) + bias[..., None], dtype)
+    return _residual_error(deq, target, weight, metric)
 
 
 def _round_to(x: mx.array, dtype: mx.Dtype) -> mx.array:

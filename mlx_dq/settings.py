@@ -116,13 +116,9 @@ class MeasureSettings(_Settings):
 
 
 @dataclass(frozen=True)
-class QuantizeSettings(_Settings):
+class QuantizeSettings(CalibSettings):
     """How ``convert`` quantizes: calibration rows, method, sequential inputs, clip search, damping, output dtype."""
 
-    calib: str | Path | None = None
-    rows: int = 32
-    seq_len: int = 512
-    seed: int = 0
     method: str = "gptq"
     sequential: bool = True
     clip: bool = True
@@ -135,7 +131,7 @@ class QuantizeSettings(_Settings):
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float16, bfloat16 or auto (the source's), got {self.dtype!r}")
-        CalibSettings(self.calib, self.rows, self.seq_len, self.seed).check()
+        super().check()
 
     def measure_defaults(self) -> dict[str, Any]:
         """The measurement options that follow from these settings: the same rows and the same quantizer.
