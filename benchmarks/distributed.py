@@ -57,14 +57,16 @@ def worker(args: argparse.Namespace) -> None:
     from mlx_dq.measure import measure
 
     t0 = time.perf_counter()
-    measure(args.model, rows=args.rows, seq_len=args.seq_len, grid=args.grid, out_path=args.out, resume=False,
+    m = measure(args.model, rows=args.rows, seq_len=args.seq_len, grid=args.grid, out_path=args.out, resume=False,
             method=args.method, progress=False)
     wall = time.perf_counter() - t0
     layers = {k: v for k, v in dist.TRAFFIC.by_layer.items() if isinstance(k, int)}
     print("RESULT " + json.dumps({"rank": dist.rank(), "size": dist.size(), "measure_s": wall,
                                   "gram_bytes": dist.TRAFFIC.gram_bytes, "object_bytes": dist.TRAFFIC.object_bytes,
                                   "calls": dist.TRAFFIC.calls, "layers": layers,
-                                  "head": dist.TRAFFIC.by_layer.get("head")}), flush=True)
+                                  "head": dist.TRAFFIC.by_layer.get("head"), "wait_s": dist.TRAFFIC.wait_s,
+                                  "timing": {k: v for k, v in m.extra["timing"].items()}},
+                                 default=str), flush=True)
 
 
 def run(n: int, args: argparse.Namespace, model: str, out: Path) -> list[dict]:
@@ -145,6 +147,14 @@ def main() -> None:
         print(f"rank {r['rank']}: per decoder layer {gram / 2**20:.2f} MiB into Gram all_sums + "
               f"{obj / 2**20:.3f} MiB of gathered results; head {sum((r['head'] or {}).values()) / 2**20:.2f} MiB; "
               f"{r['calls']} collectives in all")
+    for r in two:
+        waits = r.get("wait_s") or {}
+        tm = r.get("timing") or {}
+        print(f"rank {r['rank']}: waited {sum(waits.values()):.1f} s in collectives "
+              f"(decoder layers {sum(v for k, v in waits.items() if k.isdigit()):.1f} s, "
+              f"head {waits.get('head', 0.0):.1f} s); own work per layer: forward "
+              f"{sum(tm.get('forward_s', [])):.1f} s, options {sum(tm.get('options_s', [])):.1f} s, "
+              f"importance and gathers {sum(tm.get('importance_s', [])):.1f} s")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -48,6 +49,12 @@ class Traffic:
     object_bytes: int = 0
     calls: int = 0
     by_layer: dict = field(default_factory=dict)
+    wait_s: dict = field(default_factory=dict)  # stage -> seconds spent inside collectives (waiting for peers)
+
+    def waited(self, seconds: float, layer: Any = None) -> None:
+        """Add ``seconds`` spent in a collective (mostly waiting for the slowest rank) under ``layer``."""
+        key = "other" if layer is None else layer
+        self.wait_s[key] = self.wait_s.get(key, 0.0) + seconds
 
     def add(self, kind: str, nbytes: int, layer: Any = None) -> None:
         """Count ``nbytes`` sent to one collective of ``kind`` ("gram" or "object")."""
@@ -117,8 +124,11 @@ def all_sum(x: mx.array) -> mx.array:
     if not active():
         return x
     TRAFFIC.add("gram", int(x.nbytes), _LAYER[0])
+    mx.eval(x)
+    t0 = time.perf_counter()
     y = mx.distributed.all_sum(x, group=group(), stream=mx.cpu)
     mx.eval(y)
+    TRAFFIC.waited(time.perf_counter() - t0, _LAYER[0])
     return y
 
 
@@ -128,8 +138,10 @@ def gather_objects(obj: Any) -> list[Any]:
         return [obj]
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     g = group()
+    t0 = time.perf_counter()
     n = mx.distributed.all_gather(mx.array([len(data)], dtype=mx.int64), group=g, stream=mx.cpu)
     lengths = [int(v) for v in np.array(n)]
+    TRAFFIC.waited(time.perf_counter() - t0, _LAYER[0])
     buf = np.zeros(max(lengths), dtype=np.uint8)
     buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
     TRAFFIC.add("object", int(buf.nbytes), _LAYER[0])
@@ -147,7 +159,9 @@ def broadcast(obj: Any, root: int = 0) -> Any:
 def barrier() -> None:
     """Wait until every rank gets here."""
     if active():
+        t0 = time.perf_counter()
         mx.eval(mx.distributed.all_sum(mx.zeros((1,)), group=group(), stream=mx.cpu))
+        TRAFFIC.waited(time.perf_counter() - t0, _LAYER[0])
 
 
 # --------------------------------------------------------------------------

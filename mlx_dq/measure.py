@@ -248,6 +248,7 @@ def measure_tensor(
     progress: bool = False,
     only: set[str] | None = None,
     sample_rows: int = 0,
+    timings: dict[str, float] | None = None,
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
@@ -262,7 +263,8 @@ def measure_tensor(
     ``only`` (option descriptions) measures just those (one rank's share).
     ``sample_rows > 0`` measures a linear layer's options on a seeded random subset
     of that many output rows (see :func:`output_row_sample`); options in ``kept``
-    are still quantized on every row.
+    are still quantized on every row. ``timings`` (a dict) receives each measured
+    option's wall seconds, which balance the work of later layers over ranks.
     """
     check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
@@ -280,6 +282,7 @@ def measure_tensor(
         fitting = [o for o in fitting if o.desc in only]
     factors: dict = {}
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
+        t_opt = time.perf_counter()
         full = rows_idx is None or (kept is not None and opt.desc in kept)
         wo = w_full if full else w
         qt = quantize_tensor(wo, opt, gram, method=method, clip=clip, factor_cache=factors)  # the converter's
@@ -290,6 +293,8 @@ def measure_tensor(
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
         if kept is not None and opt.desc in kept:
             kept[opt.desc] = wq
+        if timings is not None:
+            timings[opt.desc] = time.perf_counter() - t_opt
     if rows_idx is not None:
         rec.extra["sampled_rows"] = int(rows_idx.shape[0])
     if stats is not None:
@@ -566,6 +571,8 @@ class _Run:
     embed_lookup: dict = field(default_factory=dict)
     embed_importance: float = 0.0
     t_start: float = 0.0
+    rates: dict = field(default_factory=dict)  # option -> [seconds, weights] measured so far on every rank
+    timings: dict = field(default_factory=dict)  # this layer's option seconds on this rank, path -> option -> s
 
 
 def measure(
@@ -730,8 +737,8 @@ def _measure_layer(run: _Run, i: int) -> None:
 def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) -> tuple[list, dict, dict]:
     """Every option of every tensor of a layer (this rank's share); the reference options' weights for importance."""
     s = run.s
-    records, refs = [], {}
-    owner = _share_options(mods, run.grid_map, s.method, run.clip)  # {} with one rank
+    records, refs, timings = [], {}, {}
+    owner = _share_options(run, mods)  # {} with one rank
     for path, mod in mods.items():
         role = role_of(path)
         opts = _grid_options(run.grid_map, role, path)
@@ -740,7 +747,7 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
         rec = measure_tensor(path, mod.weight, opts, col.stats.get(path), role, clip=run.clip, kept=kept,
                              method=s.method, only={d for (p, d), r in owner.items()
                                                     if p == path and r == dist.rank()} if owner else None,
-                             sample_rows=s.sample_rows)
+                             sample_rows=s.sample_rows, timings=timings.setdefault(path, {}))
         records.append(rec)
         if s.importance == "residual" and owner and owner.get(
                 (path, ref.desc), owner.get((path, fitting_options(opts, int(mod.weight.shape[-1]))[0].desc))
@@ -753,6 +760,7 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
                                                  clip=run.clip).dequantize(mx.float32)
             refs[path] = kept[ref.desc]
             rec.extra["importance_ref"] = ref.desc
+    run.timings = timings  # learned once every rank is past its share (after the layer's gather)
     return records, refs, owner
 
 
@@ -767,6 +775,7 @@ def _layer_importance(run: _Run, i: int, mods: dict[str, nn.Module], records: li
     if owner:  # gather every rank's options, importances (and the sampled layers' references)
         records[:], imp, refs = dist.gather_layer(
             records, imp, refs if run.kl_scale and i in run.sample_layers else {}, owner, list(mods))
+        _learn_rates(run, mods, run.timings)
     if s.importance != "residual":
         return
     for rec in records:
@@ -774,7 +783,7 @@ def _layer_importance(run: _Run, i: int, mods: dict[str, nn.Module], records: li
         rec.importance = r["importance"]
         rec.extra["importance_detail"] = {"damage": r["damage"], "err": r["err"]}
     if run.kl_scale and i in run.sample_layers:
-        if dist.is_root():  # the carried copies travel on rank 0 only
+        if _sample_owner(run, i) == dist.rank():  # each carried copy travels on one rank, in turn
             run.carried[i] = _perturbed_output(layer, hidden[:run.n_imp], call0, mods, refs)
         run.m.extra["importance"]["kl_scale"]["samples"].append(
             {"layer": i, "predicted": sum(imp[p]["damage"] for p in refs)})
@@ -794,15 +803,21 @@ def _save_layer(run: _Run, i: int) -> None:
         _save_state(out, run.hidden, i, run.digest, run.carried)
 
 
+def _sample_owner(run: _Run, i: int) -> int:
+    """The rank that carries sampled layer ``i``'s perturbed copy to the logits (the samples in turn over ranks)."""
+    return sorted(run.sample_layers).index(i) % dist.size()
+
+
 def _kl_scale(run: _Run, head_kl: "_HeadKL") -> float:
     """Turn the sampled layers' carried perturbations into KL and rescale every importance to nats; the scale."""
     info = run.m.extra["importance"]["kl_scale"]
-    if dist.is_root():
-        for sample in info["samples"]:
-            sample["kl"] = head_kl.kl(run.carried.pop(sample["layer"]))
-        pred = sum(x["predicted"] for x in info["samples"])
-        info["scale"] = sum(x["kl"] for x in info["samples"]) / pred if pred > 0 else 1.0
-    info = run.m.extra["importance"]["kl_scale"] = dist.broadcast(info)
+    mine = {x["layer"]: head_kl.kl(run.carried.pop(x["layer"])) for x in info["samples"]
+            if _sample_owner(run, x["layer"]) == dist.rank()}
+    kls = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
+    for sample in info["samples"]:
+        sample["kl"] = kls[sample["layer"]]
+    pred = sum(x["predicted"] for x in info["samples"])
+    info["scale"] = sum(x["kl"] for x in info["samples"]) / pred if pred > 0 else 1.0
     scale = info["scale"]
     for rec in run.m.tensors.values():
         rec.importance *= scale
@@ -828,7 +843,7 @@ def _measure_head(run: _Run) -> None:
     m.base_perplexity = math.exp(nll / (s.rows * (s.seq_len - 1)))
     head_kl = _HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
     scale = _kl_scale(run, head_kl) if run.kl_scale else 1.0
-    owner = _share_options(head_mods, run.grid_map, s.method, run.clip)
+    owner = _share_options(run, head_mods)
     head_recs = [_measure_head_tensor(run, path, mod, head_col, head_kl, scale, owner)
                  for path, mod in head_mods.items()]
     if owner:
@@ -890,14 +905,35 @@ def _finish(run: _Run) -> Measurement:
     return m
 
 
-def _share_options(mods: dict[str, nn.Module], grid_map: dict, method: str, clip: bool) -> dict[tuple[str, str], int]:
-    """The rank that measures each (tensor, option) of ``mods``, balanced by cost; {} with one rank."""
+def _share_options(run: _Run, mods: dict[str, nn.Module]) -> dict[tuple[str, str], int]:
+    """The rank that measures each (tensor, option) of ``mods``, balanced by cost; {} with one rank.
+
+    The cost of an option is its seconds per weight measured on the earlier
+    layers (every rank holds the same table) times the tensor's size; until each
+    option has been timed once, a rough model (:func:`~mlx_dq.distributed.option_cost`).
+    Any split gives the same measurement: only the time depends on it.
+    """
     if not dist.active():
         return {}
     units = [(p, o) for p, mod in mods.items()
-             for o in fitting_options(_grid_options(grid_map, role_of(p), p), int(mod.weight.shape[-1]))]
-    costs = [dist.option_cost(tuple(mods[p].weight.shape), method, clip, o.keep16) for p, o in units]
+             for o in fitting_options(_grid_options(run.grid_map, role_of(p), p), int(mod.weight.shape[-1]))]
+    if all(o.desc in run.rates for _, o in units):
+        costs = [mods[p].weight.size * run.rates[o.desc][0] / run.rates[o.desc][1] for p, o in units]
+    else:
+        costs = [dist.option_cost(tuple(mods[p].weight.shape), run.s.method, run.clip, o.keep16) for p, o in units]
     return {(p, o.desc): r for (p, o), r in zip(units, dist.split_by_cost(costs))}
+
+
+def _learn_rates(run: _Run, mods: dict[str, nn.Module], timings: dict[str, dict[str, float]]) -> None:
+    """Add every rank's option timings of this layer to ``run.rates`` (the same table on every rank)."""
+    if not dist.active():
+        return
+    for part in dist.gather_objects(timings):
+        for path, per in sorted(part.items()):
+            for desc, sec in sorted(per.items()):
+                acc = run.rates.setdefault(desc, [0.0, 0])
+                acc[0] += sec
+                acc[1] += int(mods[path].weight.size)
 
 
 def kl_importance(source: Any, m: Measurement, tokens: mx.array, grid_map: dict, clip: bool = True,

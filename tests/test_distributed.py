@@ -239,3 +239,30 @@ def test_local_rows_and_merge_records():
     c.add_option(opts[1], 0.2)
     with pytest.raises(RuntimeError):  # an option no rank measured
         dist.merge_records([c], [o.desc for o in opts])
+
+
+def test_options_are_shared_by_their_measured_seconds(monkeypatch):
+    """Once every option has been timed, ranks get equal measured seconds, not equal rough-model costs."""
+    from types import SimpleNamespace
+
+    import mlx.nn as nn
+
+    from mlx_dq import measure as measure_mod
+    from mlx_dq.settings import MeasureSettings
+
+    monkeypatch.setattr(dist, "active", lambda: True)
+    monkeypatch.setattr(dist, "size", lambda: 2)
+    opts = [QuantOption.parse(d) for d in ("1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "1.0:8b_64g")]
+    mods = {"model.layers.1.mlp.down_proj": nn.Linear(64, 32, bias=False)}
+    run = SimpleNamespace(grid_map={measure_mod.role_of("model.layers.1.mlp.down_proj"): opts}, rates={},
+                          s=MeasureSettings(), clip=True)
+    rough = measure_mod._share_options(run, mods)  # no timings yet: the rough model's equal costs, 2 and 2
+    assert sorted(rough.values()) == [0, 0, 1, 1]
+    # one option measured 3x slower than the others: it gets a rank to itself
+    timings = {"model.layers.1.mlp.down_proj": {"1.0:2b_64g": 3.0, "1.0:3b_64g": 1.0, "1.0:4b_64g": 1.0,
+                                                  "1.0:8b_64g": 1.0}}
+    monkeypatch.setattr(dist, "gather_objects", lambda obj: [obj])
+    measure_mod._learn_rates(run, mods, timings)
+    timed = measure_mod._share_options(run, mods)
+    slow = timed[("model.layers.1.mlp.down_proj", "1.0:2b_64g")]
+    assert [r for (_, d), r in timed.items() if d != "1.0:2b_64g"] == [1 - slow] * 3
