@@ -152,7 +152,7 @@ def main() -> None:
         tm = r.get("timing") or {}
         print(f"rank {r['rank']}: waited {sum(waits.values()):.1f} s in collectives "
               f"(decoder layers {sum(v for k, v in waits.items() if k.isdigit()):.1f} s, "
-              f"head {waits.get('head', 0.0):.1f} s); own work per layer: forward "
+              f"head {waits.get('head', 0.0):.1f} s); summed over the decoder layers: forward "
               f"{sum(tm.get('forward_s', [])):.1f} s, options {sum(tm.get('options_s', [])):.1f} s, "
               f"importance and gathers {sum(tm.get('importance_s', [])):.1f} s")
 
