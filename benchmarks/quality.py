@@ -249,6 +249,32 @@ def worst_text(rows: list[dict]) -> str | None:
     return max(ratios, key=ratios.get) if ratios else None
 
 
+def goal_summary(rows: list[dict]) -> list[str]:
+    """Markdown lines: every goal on every text in one table, the texts ordered worst first (highest ratio)."""
+    per_text: dict[str, list[dict]] = {}
+    for text in dict.fromkeys(r.get("text", "") for r in rows):
+        per_text[text] = [g for g in goal_status([r for r in rows if r.get("text", "") == text]) if g["dq"] or g["lm"]]
+
+    def worst(text: str) -> float:
+        return max((float(g["dq"]["kl"]) / float(g["lm"]["kl"]) for g in per_text[text]
+                    if g["family"] == "mlx-dq" and g["dq"] and g["lm"]), default=-1.0)
+
+    order = sorted((t for t in per_text if per_text[t]), key=worst, reverse=True)
+    if not order:
+        return []
+    out = ["", "Goals per text, worst text first (ratio = mlx-dq KL / mlx-lm KL):", "",
+           "| text | goal | mlx-dq row | KL | mlx-lm row | KL | ratio | met |", "|---|---|---|---:|---|---:|---:|---|"]
+    for text in order:
+        for g in per_text[text]:
+            dq, lm = g["dq"], g["lm"]
+            ratio = f"{float(dq['kl']) / float(lm['kl']):.2f}" if dq and lm else ""
+            met = {True: "yes", False: "**no**", None: "not run"}[g["met"]]
+            out.append(f"| {text} | {g['target']:g} bpw vs {g['label']} | "
+                       f"{dq['method'] if dq else g['family'] + ' (no row)'} | {_fmt(dq or {}, 'kl', '.4f')} | "
+                       f"{lm['method'] if lm else ''} | {_fmt(lm or {}, 'kl', '.4f')} | {ratio} | {met} |")
+    return out
+
+
 def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
     """The results as one markdown table per evaluation text, sorted by bits per weight, each with its goal check."""
     texts = info["texts"]
@@ -270,6 +296,7 @@ def write_markdown(path: Path, rows: list[dict], info: dict) -> None:
     worst = worst_text(rows)
     if worst:
         lines += ["", f"Worst text for mlx-dq (highest mlx-dq / mlx-lm KL ratio over the goals): `{worst}`."]
+    lines += goal_summary(rows)
     for name in texts:
         part = [r for r in rows if r.get("text", "") == name]
         if not part:

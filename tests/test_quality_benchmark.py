@@ -114,3 +114,15 @@ def test_plots_read_one_text_of_a_multi_text_table(tmp_path):
             w.writerow({"text": text, "family": "mlx-lm uniform", "method": "mlx-lm 4-bit g64", "bpw": 4.5, "kl": kl})
     rows = plots.read_quality_table(path)
     assert [(r["method"], r["kl"]) for r in rows] == [("mlx-lm 4-bit g64", 0.1)]
+
+
+def test_goal_summary_orders_texts_worst_first(quality):
+    rows = _rows(0.30, 0.2, 0.4, 0.25, 0.22, "a") + _rows(0.50, 0.2, 0.4, 0.25, 0.22, "b") \
+        + _rows(0.10, 0.2, 0.4, 0.25, 0.22, "c")
+    lines = quality.goal_summary(rows)
+    body = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| text")]
+    assert [ln.split(" | ")[0][2:] for ln in body[::2]] == ["b", "a", "c"]  # two goals per text
+    assert "| **no** |" in body[0] and body[0].endswith("| 1.25 | **no** |")  # b at 3.5: 0.50 / 0.40
+    assert body[1].endswith("| yes |") and "mlx-lm AWQ" in body[1]  # 0.2 <= the better calibrated row, 0.22
+    assert quality.goal_summary([_row("t", "mlx-lm uniform", "mlx-lm 4-bit g64", 4.5, 0.4)])[-1].endswith("not run |")
+    assert quality.goal_summary([]) == []
