@@ -164,7 +164,7 @@ class DistillSettings(CalibSettings):
     seq_len: int = 256
     steps: int = 64
     batch_size: int = 1
-    lr: float = 1e-3
+    lr: float = 1e-4
     temperature: float = 1.0
     train_norms: bool = False
 
