@@ -10,9 +10,11 @@ import click
 import mlx.core as mx
 
 from mlx_dq.names import MANIFEST_NAME, MANIFEST_SCHEMA
-from mlx_dq.settings import DTYPES, IMPORTANCE_MODES, METHODS, MeasureSettings, PlanSettings, QuantizeSettings
+from mlx_dq.settings import (DTYPES, IMPORTANCE_MODES, METHODS, DistillSettings, MeasureSettings, PlanSettings,
+                             QuantizeSettings)
 
 _M, _Q, _P = MeasureSettings(), QuantizeSettings(), PlanSettings()  # the defaults every option below shows
+_D = DistillSettings()
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
@@ -496,6 +498,43 @@ def inspect(folder: str, width: int) -> None:
         raise click.ClickException(f"{folder} does not match its manifest: " + "; ".join(problems[:5])
                                    + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     click.echo(bit_map(manifest, width=width))
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Output model folder.")
+@click.option("--model", "model_spec", default=None,
+              help="Source (float) model to distil from [default: the source recorded in FOLDER's manifest].")
+@click.option("--calib", type=click.Path(exists=True), default=None,
+              help="Calibration .txt/.jsonl file or folder [default: the bundled calibration text].")
+@click.option("--rows", default=_D.rows, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
+@click.option("--seq-len", default=_D.seq_len, show_default=True, type=click.IntRange(min=3), help="Tokens per row.")
+@click.option("--steps", default=_D.steps, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
+@click.option("--batch-size", default=_D.batch_size, show_default=True, type=click.IntRange(min=1),
+              help="Rows per step (at most --rows).")
+@click.option("--lr", default=_D.lr, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Adam learning rate, relative to each scale (cosine decay to a tenth).")
+@click.option("--seed", default=_D.seed, show_default=True, type=int, help="Seed for the rows and their order.")
+@click.option("--temperature", default=_D.temperature, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Softmax temperature of the KL loss.")
+@click.option("--train-norms", is_flag=True, help="Also train the norm weights.")
+@click.option("--force", is_flag=True, help="Replace an existing output folder (only an earlier mlx-dq output).")
+def distill(folder: str, output: str, model_spec: str | None, calib: str | None, rows: int, seq_len: int, steps: int,
+            batch_size: int, lr: float, seed: int, temperature: float, train_norms: bool, force: bool) -> None:
+    """Distil FOLDER's quantized scales and biases against the source model's logits (codes stay fixed)."""
+    from mlx_dq import distill as dist_mod
+
+    try:
+        rec = dist_mod.distill(model_spec, folder, output, calib=calib, rows=rows, seq_len=seq_len, steps=steps,
+                               batch_size=batch_size, lr=lr, seed=seed, temperature=temperature,
+                               train_norms=train_norms, force=force, say=click.echo)
+    except (ValueError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot write {e.filename or output}: {e.strerror or e}") from None
+    click.echo(f"KL on the training rows: {rec['kl_train_before']:.5f} -> {rec['kl_train_after']:.5f} "
+               f"({rec['train_seconds']:.0f} s training)")
+    click.echo(f"wrote {output}")
 
 
 @main.command(name="eval", context_settings=CONTEXT)

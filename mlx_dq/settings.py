@@ -9,6 +9,7 @@ shell and from Python.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,28 @@ class PlanSettings(_Settings):
     keep: tuple[str, ...] = field(default=())
     keep_outside_budget: bool = False
     mlx_lm_compatible: bool = False
+
+
+@dataclass(frozen=True)
+class DistillSettings(CalibSettings):
+    """What one distillation run does: its calibration rows, steps, optimizer and what it trains."""
+
+    rows: int = 16
+    seq_len: int = 256
+    steps: int = 64
+    batch_size: int = 1
+    lr: float = 1e-4
+    temperature: float = 1.0
+    train_norms: bool = False
+
+    def check(self) -> None:
+        if self.rows < 1 or self.seq_len < 3:
+            raise ValueError(f"need rows >= 1 and seq_len >= 3; got rows={self.rows}, seq_len={self.seq_len}")
+        if self.steps < 1:
+            raise ValueError(f"need steps >= 1, got {self.steps}")
+        if not 1 <= self.batch_size <= self.rows:
+            raise ValueError(f"batch_size must be between 1 and rows ({self.rows}), got {self.batch_size}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a positive number, got {self.temperature}")

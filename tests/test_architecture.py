@@ -40,6 +40,8 @@ PIPELINE_ORDER = [
     "mlx_dq.convert", "mlx_dq.api",
     # evaluating, estimating, plotting
     "mlx_dq.evaluate", "mlx_dq.estimate", "mlx_dq.plots",
+    # distilling a quantized folder's scales and biases
+    "mlx_dq.distill",
     # the command line and the package facade
     "mlx_dq.cli", "mlx_dq.__main__", "mlx_dq",
     # a standalone script that composes the calibration text

@@ -1,0 +1,454 @@
+"""Distillation of a quantized folder's scales and biases against the source model's logits.
+
+The integer codes of every quantized layer stay as they are; the per-group
+scales and biases (and, optionally, the norm weights) are trained with Adam to
+minimise KL(source || quantized) of the next-token distribution on calibration
+rows (the calibration text, never an evaluation text). This is DWQ's idea
+(``mlx_lm.dwq``), applied to every quantized layer kind mlx-dq writes: stock
+``QuantizedLinear`` / ``QuantizedEmbedding`` / ``QuantizedSwitchLinear`` and
+the mixed-proportion layers of :mod:`mlx_dq.mixed`, segment by segment.
+
+Training runs through a differentiable dequantize-then-matmul path in float32
+(``mx.dequantize`` has gradients with respect to scales and biases; so has
+``mx.quantized_matmul`` on mlx 0.32.4, but it is ~70x slower on the CPU). Each
+scale is trained as ``s0 * (1 + a)`` and each bias as ``b0 + |s0| * c``, so one
+learning rate means the same relative step for every layer. The result is
+written as a new folder with the same files, tensor names, dtypes and config
+as the input (so it loads exactly as the input did), a refreshed manifest that
+records the distillation, and an atomic publish.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from tqdm import tqdm
+
+from . import calib as calib_mod
+from . import kernels
+from .loader import _set_module
+from .names import MANIFEST_NAME
+from .settings import DistillSettings
+from .writer import DEFAULT_SHARD_BYTES, ShardWriter, prepare_output, publish
+
+TEACHER_CACHE_BYTES = 2 << 30  # the source's log-probabilities are kept in memory up to this size, else recomputed
+
+
+# --------------------------------------------------------------------------
+# trainable stand-ins for the quantized layers
+# --------------------------------------------------------------------------
+class _Fixed:
+    """What training leaves as it is: packed codes, initial scales/biases (float32), layout; not parameters."""
+
+    def __init__(self, parts: list, bits: tuple[int, ...], group_sizes: tuple[int, ...], perm: mx.array | None,
+                 keys: list[tuple[str, str]]):
+        self.codes = [w for w, _, _ in parts]
+        self.dtypes = [s.dtype for _, s, _ in parts]
+        self.s0 = [s.astype(mx.float32) for _, s, _ in parts]
+        self.b0 = [b.astype(mx.float32) for _, _, b in parts]
+        self.abs0 = [mx.abs(s) for s in self.s0]
+        self.bits, self.group_sizes, self.perm, self.keys = bits, group_sizes, perm, keys
+
+
+class _Trainable(nn.Module):
+    """A quantized layer during training: fixed codes, scales ``s0*(1+a)``, biases ``b0+|s0|*c`` (float32).
+
+    ``kind`` is "linear", "embedding" or "switch"; ``keys`` names the stored scale/bias arrays of each
+    segment (``scales`` / ``biases`` for stock layers, ``scales_i`` / ``biases_i`` for mixed ones).
+    """
+
+    def __init__(self, layer: nn.Module, kind: str):
+        super().__init__()
+        if hasattr(layer, "parts"):  # mlx-dq mixed layer
+            parts = layer.parts
+            bits, gs, perm = tuple(layer.seg_bits), tuple(layer.seg_group_sizes), layer.get("perm")
+            keys = [(f"scales_{i}", f"biases_{i}") for i in range(len(parts))]
+        else:  # MLX / mlx-lm stock quantized layer
+            parts = [(layer["weight"], layer["scales"], layer["biases"])]
+            bits, gs, perm = (int(layer.bits),), (int(layer.group_size),), None
+            keys = [("scales", "biases")]
+        self.kind = kind
+        self._fixed = _Fixed(parts, bits, gs, perm, keys)
+        self.a = [mx.zeros(s.shape) for _, s, _ in parts]
+        self.c = [mx.zeros(s.shape) for _, s, _ in parts]
+        if "bias" in layer:
+            self.bias = layer["bias"].astype(mx.float32)
+
+    def _params(self, rows: mx.array | None = None) -> list[tuple[mx.array, mx.array, mx.array]]:
+        f = self._fixed
+        out = []
+        for w, s0, b0, m, a, c in zip(f.codes, f.s0, f.b0, f.abs0, self.a, self.c):
+            s, b = s0 * (1 + a), b0 + m * c
+            if rows is not None:
+                w, s, b = w[rows], s[rows], b[rows]
+            out.append((w, s, b))
+        return out
+
+    def weight(self, rows: mx.array | None = None) -> mx.array:
+        """The float32 weight (rows ``rows`` only, for an embedding lookup), differentiable in ``a`` and ``c``."""
+        f = self._fixed
+        return kernels.dequantize_parts(self._params(rows), f.bits, f.group_sizes, f.perm)
+
+    def trained(self) -> dict[str, mx.array]:
+        """The trained scales and biases under their stored names, in their stored dtypes."""
+        out = {}
+        for (ks, kb), (_, s, b), dt in zip(self._fixed.keys, self._params(), self._fixed.dtypes):
+            out[ks], out[kb] = s.astype(dt), b.astype(dt)
+        return out
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """``x @ W^T``: the tied output head."""
+        return x @ self.weight().T
+
+    def __call__(self, x: mx.array, indices: mx.array | None = None, sorted_indices: bool = False) -> mx.array:
+        if self.kind == "embedding":
+            return self.weight(x)
+        if self.kind == "switch":
+            y = mx.gather_mm(x, self.weight().swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+            if "bias" in self:
+                y = y + mx.expand_dims(self["bias"][indices], -2)
+            return y
+        y = x @ self.weight().T
+        return y + self["bias"] if "bias" in self else y
+
+
+def quantized_layers(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Every affine-quantized layer of ``model`` (stock or mlx-dq mixed): path -> (layer, kind)."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from .mixed import MixedEmbedding, MixedLinear, MixedSwitchLinear
+
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, MixedEmbedding):
+            out[path] = (m, "embedding")
+        elif isinstance(m, MixedSwitchLinear):
+            out[path] = (m, "switch")
+        elif isinstance(m, MixedLinear):
+            out[path] = (m, "linear")
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
+            if getattr(m, "mode", "affine") != "affine":
+                continue
+            kind = ("embedding" if isinstance(m, nn.QuantizedEmbedding)
+                    else "switch" if isinstance(m, QuantizedSwitchLinear) else "linear")
+            out[path] = (m, kind)
+    return out
+
+
+def _norm_paths(model: nn.Module) -> list[str]:
+    """Modules with a 1-D ``weight`` whose type is a norm (RMSNorm, LayerNorm and their model-specific kin)."""
+    return [p for p, m in model.named_modules()
+            if "Norm" in type(m).__name__ and "weight" in m and m["weight"].ndim == 1]
+
+
+def make_student(model: nn.Module, train_norms: bool = False) -> tuple[dict[str, _Trainable], list[str]]:
+    """Turn a loaded quantized model into a trainable float32 student (in place).
+
+    Returns the trainable stand-ins by path and the trained norm paths; only the scale/bias
+    offsets (and norm weights with ``train_norms``) are left unfrozen.
+    """
+    layers = quantized_layers(model)
+    if not layers:
+        raise ValueError("the model has no affine-quantized layer: nothing to distill")
+    student = {p: _Trainable(m, kind) for p, (m, kind) in layers.items()}
+    for p, t in student.items():
+        _set_module(model, p, t)
+    model.update(tree_map(lambda v: v.astype(mx.float32)
+                          if isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.floating) else v,
+                          model.parameters()))
+    model.freeze()
+    for t in student.values():
+        t.unfreeze(keys=[f"{k}.{i}" for k in ("a", "c") for i in range(len(t.a))], recurse=False)
+    norms = _norm_paths(model) if train_norms else []
+    mods = dict(model.named_modules())
+    for p in norms:
+        mods[p].unfreeze(keys=["weight"], recurse=False)
+    return student, norms
+
+
+# --------------------------------------------------------------------------
+# the loss and the loop
+# --------------------------------------------------------------------------
+def _log_softmax(logits: mx.array, temperature: float) -> mx.array:
+    z = logits.astype(mx.float32) / temperature
+    return z - mx.logsumexp(z, axis=-1, keepdims=True)
+
+
+def kl_loss(student_logits: mx.array, teacher_logprobs: mx.array, temperature: float = 1.0) -> mx.array:
+    """Mean over positions of KL(teacher || student) at ``temperature`` (teacher given as log-probabilities)."""
+    lq = _log_softmax(student_logits, temperature)
+    return (mx.exp(teacher_logprobs) * (teacher_logprobs - lq)).sum(axis=-1).mean()
+
+
+class _Teacher:
+    """The source's log-probabilities for each training row, kept when they fit in memory, else recomputed."""
+
+    def __init__(self, model: nn.Module, rows: mx.array, temperature: float, cache_bytes: int):
+        self.model, self.rows, self.t = model, rows, temperature
+        n, seq = rows.shape
+        vocab = int(model(rows[:1, :2]).shape[-1])
+        self.keep = n * (seq - 1) * vocab * 4 <= cache_bytes
+        self.cache: dict[int, mx.array] = {}
+
+    def __call__(self, idx: list[int]) -> mx.array:
+        out = []
+        for i in idx:
+            if i in self.cache:
+                out.append(self.cache[i])
+                continue
+            lp = _log_softmax(self.model(self.rows[i : i + 1, :-1]), self.t)
+            mx.eval(lp)
+            if self.keep:
+                self.cache[i] = lp
+            out.append(lp)
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+
+
+def mean_kl(model: nn.Module, teacher: Callable[[list[int]], mx.array], rows: mx.array,
+            temperature: float = 1.0) -> float:
+    """Mean KL(teacher || model) over every position of ``rows`` (one row at a time, no gradients)."""
+    total = 0.0
+    for i in range(rows.shape[0]):
+        loss = kl_loss(model(rows[i : i + 1, :-1]), teacher([i]), temperature)
+        total += float(loss.item())
+    return total / rows.shape[0]
+
+
+def train(model: nn.Module, teacher: Callable[[list[int]], mx.array], rows: mx.array, s: DistillSettings,
+          progress: bool = True, say: Callable[[str], None] = print) -> dict:
+    """Adam on the unfrozen parameters of ``model`` for ``s.steps`` steps; returns losses and timings.
+
+    Rows are visited in a seeded order, ``s.batch_size`` per step, one epoch after another. The time of
+    the first step is measured and the whole run's time extrapolated from it before going on.
+    """
+    rng = np.random.default_rng(s.seed)
+    order: list[int] = []
+
+    def next_batch() -> list[int]:
+        nonlocal order
+        if len(order) < s.batch_size:
+            order += rng.permutation(rows.shape[0]).tolist()
+        batch, order = order[: s.batch_size], order[s.batch_size :]
+        return sorted(batch)
+
+    opt = optim.Adam(learning_rate=optim.cosine_decay(s.lr, s.steps, s.lr * 0.1))
+
+    def loss_fn(m: nn.Module, x: mx.array, lp: mx.array) -> mx.array:
+        return kl_loss(m(x), lp, s.temperature)
+
+    step_fn = nn.value_and_grad(model, loss_fn)
+    losses = []
+    t0 = time.perf_counter()
+    bar = None
+    for step in range(s.steps):
+        idx = next_batch()
+        lp = teacher(idx)
+        ts = time.perf_counter()
+        loss, grads = step_fn(model, rows[mx.array(idx), :-1], lp)
+        opt.update(model, grads)
+        mx.eval(loss, model.trainable_parameters(), opt.state)
+        losses.append(float(loss.item()))
+        if step == 0:
+            first = time.perf_counter() - ts
+            say(f"one step ({s.batch_size} x {rows.shape[1]} tokens) took {first:.1f} s: "
+                f"{s.steps} steps will take about {_duration(first * s.steps)}")
+            bar = tqdm(total=s.steps, initial=1, desc="distill", unit="step", disable=not progress)
+        else:
+            bar.update(1)
+        bar.set_postfix(kl=f"{losses[-1]:.4f}")
+    if bar is not None:
+        bar.close()
+    return {"losses": losses, "seconds": time.perf_counter() - t0}
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# --------------------------------------------------------------------------
+# folders
+# --------------------------------------------------------------------------
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not folder.is_dir() or not path.is_file():
+        raise ValueError(f"{folder} is not a model folder (no config.json)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict) or not (config.get("quantization") or (config.get("mlx_dq") or {}).get("mixed")):
+        raise ValueError(f"{folder} is not a quantized model folder (config.json has no quantization)")
+    return config
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {folder}")
+    return files
+
+
+def _source_spec(folder: Path, source: str | None) -> str:
+    if source is not None:
+        return str(source)
+    from .evaluate import manifest_base
+
+    spec = manifest_base(folder) if (folder / MANIFEST_NAME).exists() else None
+    if not spec:
+        raise ValueError(f"{folder} does not record its source model: give the source (--model)")
+    return spec
+
+
+def _check_same_model(teacher_cfg: dict, student_cfg: dict, source: str) -> None:
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+        a, b = teacher_cfg.get(key), student_cfg.get(key)
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"the source {source} is not the quantized model's source: {key} {a} != {b}")
+
+
+def _write(folder: Path, out: Path, updates: dict[str, mx.array], record: dict, force: bool,
+           shard_bytes: int) -> dict | None:
+    """Copy ``folder`` into a partial sibling of ``out`` with ``updates`` replacing stored arrays; publish it."""
+    tmp = prepare_output(out, force)
+    try:
+        weights = _weight_files(folder)
+        for f in folder.iterdir():
+            if f.is_file() and f not in weights and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / f.name)
+        writer = ShardWriter(tmp, shard_bytes)
+        seen = set()
+        for f in weights:
+            arrays = mx.load(str(f))
+            for k in list(arrays):
+                if k in updates:
+                    if updates[k].shape != arrays[k].shape or updates[k].dtype != arrays[k].dtype:
+                        raise ValueError(f"trained {k} has shape/dtype {updates[k].shape}/{updates[k].dtype}, "
+                                         f"stored {arrays[k].shape}/{arrays[k].dtype}")
+                    arrays[k] = updates[k]
+                    seen.add(k)
+            writer.add(arrays)
+        missing = sorted(set(updates) - seen)
+        if missing:
+            raise ValueError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
+        files = writer.close()
+        manifest = None
+        if (tmp / MANIFEST_NAME).exists():
+            from .formats.common import file_digest
+
+            manifest = json.loads((tmp / MANIFEST_NAME).read_text())
+            manifest.pop("results", None)  # measured on the model before distillation
+            manifest["files"] = [{"name": p.name, "bytes": p.stat().st_size, "sha256": file_digest(p)}
+                                 for p in sorted(files)]
+            manifest["accounting"]["weights_on_disk_bytes"] = int(sum(p.stat().st_size for p in files))
+            manifest["provenance"]["distill"] = record
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def distill(
+    source: str | None,
+    quantized_folder: str | Path,
+    out_folder: str | Path,
+    *,
+    force: bool = False,
+    progress: bool = True,
+    say: Callable[[str], None] | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    settings: DistillSettings | None = None,
+    **options: Any,
+) -> dict:
+    """Distil ``quantized_folder``'s scales and biases against ``source`` and write the result to ``out_folder``.
+
+    ``options`` are :class:`~mlx_dq.settings.DistillSettings` fields (calib, rows, seq_len, steps,
+    batch_size, lr, seed, temperature, train_norms). ``source`` None: the source recorded in the
+    folder's manifest. Calibration rows come from ``calib`` (default: the bundled calibration text).
+    The codes never change; the output has the input's files, tensor names, dtypes and config.
+    Returns the distillation record (also in the output manifest under ``provenance.distill``):
+    KL on the training rows before and after, per-step losses and timings.
+    """
+    from .loader import load as dq_load
+    from .safety import guard_output_folder
+    from .sources import load_model, resolve
+
+    s = (settings or DistillSettings()).with_options(**options)
+    calib, rows, seq_len, seed, steps, temperature = s.calib, s.rows, s.seq_len, s.seed, s.steps, s.temperature
+    say = say or (lambda m: tqdm.write(m))
+    folder, out = Path(quantized_folder), Path(out_folder)
+    q_config = _read_config(folder)
+    _weight_files(folder)
+    spec = _source_spec(folder, source)
+    src = resolve(spec)
+    guard_output_folder(out, force, [("quantized model", folder), ("source model", src.path)])
+    if calib is not None:
+        calib_mod.load_texts(calib)
+    _check_same_model(src.config, q_config, spec)
+    t_start = time.perf_counter()
+    texts, tokens = calib_mod.calibration_rows(src.tokenizer(), calib, rows, seq_len, seed)
+    base, _, _ = load_model(spec, dtype=mx.float32)
+    base.eval()
+    model, _ = dq_load(folder)
+    student, norms = make_student(model, s.train_norms)
+    n_train = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    say(f"distilling {len(student)} quantized layers ({n_train:,} trained values"
+        f"{f', {len(norms)} norms' if norms else ''}) on {rows} x {seq_len} calibration tokens, {steps} steps")
+    teacher = _Teacher(base, tokens, temperature, TEACHER_CACHE_BYTES)
+    kl_before = mean_kl(model, teacher, tokens, temperature)
+    say(f"KL on the training rows before: {kl_before:.5f}")
+    log = train(model, teacher, tokens, s, progress=progress, say=say)
+    updates: dict[str, mx.array] = {}
+    for p, t in student.items():
+        updates.update({f"{p}.{k}": v for k, v in t.trained().items()})
+    mods = dict(model.named_modules())
+    norm_dtypes = _stored_dtypes(folder, [f"{p}.weight" for p in norms])
+    for p in norms:
+        updates[f"{p}.weight"] = mods[p]["weight"].astype(norm_dtypes[f"{p}.weight"])
+    mx.eval(updates)
+    # the KL after, with the values exactly as stored (16-bit scales and biases)
+    final, _ = dq_load(folder)
+    final.load_weights(list(updates.items()), strict=False)
+    _, _ = make_student(final)
+    kl_after = mean_kl(final, teacher, tokens, temperature)
+    say(f"KL on the training rows after: {kl_after:.5f}")
+    record = {
+        "source": spec, "input": str(folder), "settings": {**s.as_dict(), "calib": str(calib) if calib else "default"},
+        "text_digest": calib_mod.text_digest(texts), "layers": len(student), "trained_values": int(n_train),
+        "norms": norms, "kl_train_before": kl_before, "kl_train_after": kl_after,
+        "losses": [round(v, 6) for v in log["losses"]], "train_seconds": round(log["seconds"], 2),
+        "seconds": round(time.perf_counter() - t_start, 2),
+    }
+    _write(folder, out, updates, record, force, shard_bytes)
+    return record
+
+
+def _stored_dtypes(folder: Path, keys: list[str]) -> dict[str, Any]:
+    if not keys:
+        return {}
+    want, out = set(keys), {}
+    for f in _weight_files(folder):
+        arrays = mx.load(str(f))
+        out.update({k: arrays[k].dtype for k in want & set(arrays)})
+    missing = want - set(out)
+    if missing:
+        raise ValueError(f"norm weights not stored in {folder}: {', '.join(sorted(missing)[:4])}")
+    return out
+
+
+__all__ = ["DistillSettings", "distill", "kl_loss", "make_student", "mean_kl", "quantized_layers", "train"]
