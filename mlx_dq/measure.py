@@ -93,7 +93,7 @@ from .options import QuantOption
 from .grids import load_grid
 from .names import role_of
 from .quant import output_error, quantize_weight
-from .quantize import METHODS, quantize_tensor  # noqa: F401  (METHODS re-exported)
+from .quantize import METHODS, quantize_tensor, row_blocks  # noqa: F401  (METHODS re-exported)
 from .safety import check_finite_weight
 from .sources import resolve
 from .settings import IMPORTANCE_MODES, MeasureSettings  # noqa: F401  (IMPORTANCE_MODES re-exported)
@@ -188,27 +188,6 @@ def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int) -> tuple[mx
     weights = np.concatenate([np.ones(top.size), np.full(drawn.size, rest.size / drawn.size)])
     order = np.argsort(idx)
     return mx.array(idx[order].astype(np.int32)), mx.array(weights[order].astype(np.float32))
-
-
-MEASURE_BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of output rows measured at a time (large tensors)
-
-
-def row_blocks(shape: Sequence[int], budget: int | None = None) -> list[slice] | None:
-    """Slices of output rows (axis -2) holding at most ``budget`` float32 bytes each; None when one block holds all.
-
-    Rounding, the clip search and GPTQ (given the shared Gram matrix) treat
-    output rows independently, so a tensor's options can be quantized and
-    metered block by block: float32 temporaries then scale with the block,
-    not with a 151,936-row vocabulary.
-    """
-    if len(shape) < 2:
-        return None
-    budget = MEASURE_BLOCK_BYTES if budget is None else budget
-    rows, per_row = int(shape[-2]), 4 * math.prod(int(d) for d in shape) // max(1, int(shape[-2]))
-    step = max(1, budget // max(1, per_row))
-    if rows <= step:
-        return None
-    return [slice(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
 class _ErrorMeter:
@@ -508,8 +487,13 @@ def _perturbed_output(layer: nn.Module, h: mx.array, call: tuple[tuple, dict], m
     return y
 
 
+@mx.compile
 def _kl_rows(ref_logp: mx.array, logits: mx.array) -> mx.array:
-    """Summed KL(ref || q) over the positions of one row (nats)."""
+    """Summed KL(ref || q) over the positions of one row (nats).
+
+    Compiled: the elementwise steps fuse, so fewer ``[positions, vocab]`` float32
+    temporaries are live (the same values as the uncompiled expression).
+    """
     logp = nn.log_softmax(logits.astype(mx.float32), axis=-1)
     return (mx.exp(ref_logp) * (ref_logp - logp)).sum()
 
