@@ -25,7 +25,7 @@ FIXED_S = 5.0  # start-up: imports, tokenizer, calibration text
 OPTION_S = {"rtn": 0.1, "gptq": 0.3}  # per (tensor, option) overhead that does not scale with the shapes
 TENSOR_S = 0.15  # per tensor overhead of convert
 JSON_BYTES_PER_OPTION = 600  # measurement JSON per (tensor, option)
-QUANT_COPIES = 6  # float32 copies of the largest tensor alive while it is quantized (GPTQ working arrays)
+QUANT_COPIES = 6  # float32 copies of the largest block of rows alive while it is quantized (GPTQ working arrays)
 CLIP_SEARCH_BYTES = 3 * 4 * BATCH_ELEMENTS  # the batched clip search's live float32 candidate arrays (one row chunk):
 # GPTQ's scale search and the converter's rounding use it
 
@@ -101,6 +101,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _block_numel(shape: tuple[int, ...]) -> int:
+    """Elements quantized at once for a weight of ``shape``: one block of output rows (:func:`mlx_dq.quantize.row_blocks`)."""
+    from .quantize import row_blocks
+
+    blocks = row_blocks(shape)
+    if blocks is None:
+        return _numel(shape)
+    return (blocks[0].stop - blocks[0].start) * _numel(shape) // shape[-2]
+
+
 def _fitting(grid: dict, path: str, in_f: int) -> list:
     from .grids import role_of
     from .options import QuantOption
@@ -148,7 +158,10 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
-    peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + QUANT_COPIES * 4 * largest + logits + head_extra \
+    block = max([_block_numel(s) for t in layers for _, s in t] + [_block_numel(s) for _, s in other])
+    if kl_scale and heads:  # the head's KL swaps in one whole dequantized float32 copy per option
+        head_extra += 4 * max(_numel(s) for _, s in heads)
+    peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + QUANT_COPIES * 4 * block + logits + head_extra \
         + (CLIP_SEARCH_BYTES if method == "gptq" else 0)  # measuring RTN scores its options per Gram block
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON
     seconds = TIME_FACTOR * 2 * macs / f + FIXED_S + OPTION_S.get(method, 0.3) * n_meas
@@ -192,9 +205,9 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         measurement_bytes = JSON_BYTES_PER_OPTION * n_opts
     disk = quant_params * bits / 8 + (total_params - quant_params) * 2 + _side_bytes(source) \
         + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
-    largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
+    block = max([_block_numel(s) for t in layers for _, s in t] + [_block_numel(s) for _, s in other])
     peak = BASE_RSS + sum(4 * _numel(s) for _, s in other) + 2 * 4 * biggest_layer + 4 * tokens * hidden * 2 \
-        + QUANT_COPIES * 4 * largest + CLIP_SEARCH_BYTES + 4 * 128 * vocab * 2
+        + QUANT_COPIES * 4 * block + CLIP_SEARCH_BYTES + 4 * 128 * vocab * 2
     if meas is not None:
         peak = max(peak, meas.peak_bytes)
     est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,

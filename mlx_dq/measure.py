@@ -93,7 +93,7 @@ from .options import QuantOption
 from .grids import load_grid
 from .names import role_of
 from .quant import output_error, quantize_weight
-from .quantize import METHODS, quantize_tensor  # noqa: F401  (METHODS re-exported)
+from .quantize import METHODS, quantize_tensor, row_blocks  # noqa: F401  (METHODS re-exported)
 from .safety import check_finite_weight
 from .sources import resolve
 from .settings import IMPORTANCE_MODES, MeasureSettings  # noqa: F401  (IMPORTANCE_MODES re-exported)
@@ -190,41 +190,83 @@ def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int) -> tuple[mx
     return mx.array(idx[order].astype(np.int32)), mx.array(weights[order].astype(np.float32))
 
 
-def _error_meter(w: mx.array, gram: mx.array | None, counts: np.ndarray | None,
-                 row_weights: mx.array | None = None) -> Callable[[mx.array], tuple[float, float]]:
-    """A function ``wq -> (err, weight_err)`` with the reference energies computed once.
+class _ErrorMeter:
+    """``wq -> (err, weight_err)`` with the reference energies computed once, row block by row block.
 
     ``err`` is the relative output error ``sqrt(tr(D G D^T) / tr(W G W^T))`` when a
     Gram matrix is given (per expert ``[E, in, in]`` for banks: a sum over experts),
     the token-frequency-weighted lookup error for an embedding with ``counts``,
     else the weight error. Same formulas as :func:`mlx_dq.quant.output_error`.
     ``row_weights`` (``[rows]``, 2-D weights with a Gram) weights each output row's sums.
+    Large tensors are summed over blocks of output rows (:func:`row_blocks`, float32
+    per block, the blocks added in double precision), so no temporary is the
+    size of the tensor; a tensor of one block is computed exactly as in one piece.
     """
-    w32 = w.astype(mx.float32)
-    rw = None if row_weights is None else row_weights[:, None]
-    wden = (w32 * w32).sum() if rw is None else (rw * w32 * w32).sum()
-    if gram is not None:
-        g = gram.astype(mx.float32)
-        oden = ((w32 @ g) * w32).sum() if rw is None else (rw * (w32 @ g) * w32).sum()
-    elif counts is not None:
-        c = mx.array(counts.astype(np.float32))[:, None]
-        oden = (c * w32 * w32).sum()
-    mx.eval(wden, *([oden] if gram is not None or counts is not None else []))
 
-    def meter(wq: mx.array) -> tuple[float, float]:
+    def __init__(self, w: mx.array, gram: mx.array | None, counts: np.ndarray | None,
+                 row_weights: mx.array | None = None):
+        self.w, self.rw = w, None if row_weights is None else row_weights[:, None]
+        self.g = None if gram is None else gram.astype(mx.float32)
+        self.c = None if counts is None or gram is not None else mx.array(counts.astype(np.float32))[:, None]
+        self.blocks = row_blocks(w.shape) if row_weights is None else None
+        self.w32 = w.astype(mx.float32) if self.blocks is None else None
+        self.wden = self.oden = 0.0
+        for i in range(len(self.blocks or [None])):
+            w32 = self._w32(i)
+            wden = self._square_sum(w32, None)
+            oden = wden
+            if self.g is not None:
+                oden = self._square_sum(w32, self.g)
+            elif self.c is not None:
+                oden = (self._c(i) * w32 * w32).sum()
+            mx.eval(wden, oden)
+            self.wden += wden.item()
+            self.oden += oden.item()
+
+    def _w32(self, i: int) -> mx.array:
+        return self.w32 if self.blocks is None else self.w[..., self.blocks[i], :].astype(mx.float32)
+
+    def _c(self, i: int) -> mx.array:
+        return self.c if self.blocks is None else self.c[self.blocks[i]]
+
+    def _square_sum(self, x: mx.array, g: mx.array | None) -> mx.array:
+        """``sum(x*x)`` or ``sum((x@g)*x)``, each row weighted by ``row_weights`` when given (same formulas as before)."""
+        if g is None:
+            return (x * x).sum() if self.rw is None else (self.rw * x * x).sum()
+        return ((x @ g) * x).sum() if self.rw is None else (self.rw * (x @ g) * x).sum()
+
+    def partial(self, i: int, wq: mx.array) -> tuple[float, float]:
+        """The (output, weight) squared-error sums of block ``i`` (``wq``: that block's rows; the whole tensor when one)."""
+        w32 = self._w32(i)
         d = wq.astype(mx.float32) - w32
-        wnum = (d * d).sum() if rw is None else (rw * d * d).sum()
-        if gram is not None:
-            onum = ((d @ g) * d).sum() if rw is None else (rw * (d @ g) * d).sum()
-        elif counts is not None:
-            onum = (c * d * d).sum()
-        else:
-            onum = wnum
-        den = oden if gram is not None or counts is not None else wden
+        wnum = self._square_sum(d, None)
+        onum = wnum
+        if self.g is not None:
+            onum = self._square_sum(d, self.g)
+        elif self.c is not None:
+            onum = (self._c(i) * d * d).sum()
         mx.eval(onum, wnum)
-        return _relative(onum.item(), den.item()), _relative(wnum.item(), wden.item())
+        return onum.item(), wnum.item()
 
-    return meter
+    def result(self, onum: float, wnum: float) -> tuple[float, float]:
+        """(err, weight_err) from summed squared errors."""
+        den = self.oden if self.g is not None or self.c is not None else self.wden
+        return _relative(onum, den), _relative(wnum, self.wden)
+
+    def __call__(self, wq: mx.array) -> tuple[float, float]:
+        if self.blocks is None:
+            return self.result(*self.partial(0, wq))
+        onum = wnum = 0.0
+        for i, sl in enumerate(self.blocks):
+            o, w_ = self.partial(i, wq[..., sl, :])
+            onum, wnum = onum + o, wnum + w_
+        return self.result(onum, wnum)
+
+
+def _error_meter(w: mx.array, gram: mx.array | None, counts: np.ndarray | None,
+                 row_weights: mx.array | None = None) -> _ErrorMeter:
+    """An :class:`_ErrorMeter` (kept for callers of the function form)."""
+    return _ErrorMeter(w, gram, counts, row_weights)
 
 
 def _relative(num: float, den: float) -> float:
@@ -284,11 +326,16 @@ def measure_tensor(
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
         t_opt = time.perf_counter()
         full = rows_idx is None or (kept is not None and opt.desc in kept)
-        wo = w_full if full else w
-        qt = quantize_tensor(wo, opt, gram, method=method, clip=clip, factor_cache=factors)  # the converter's
-        wq = qt.dequantize(mx.float32)
-        err, werr = meter(wq if rows_idx is None or not full else wq[rows_idx])
-        clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
+        if meter.blocks is not None:  # a large tensor: quantized and metered block by block
+            wq, err, werr, clip_stats = _measure_in_blocks(
+                w, opt, gram, meter, method, clip, factors,
+                whole=damage_fn is not None or (kept is not None and opt.desc in kept))
+        else:
+            wo = w_full if full else w
+            qt = quantize_tensor(wo, opt, gram, method=method, clip=clip, factor_cache=factors)  # the converter's
+            wq = qt.dequantize(mx.float32)
+            err, werr = meter(wq if rows_idx is None or not full else wq[rows_idx])
+            clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
         damage = damage_fn(wq) if damage_fn is not None else None
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
         if kept is not None and opt.desc in kept:
@@ -307,6 +354,45 @@ def measure_tensor(
         rec.extra["input_rows"] = int(lookup.rows)
         rec.extra["err_kind"] = "lookup"
     return rec
+
+
+def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, meter: _ErrorMeter, method: str,
+                       clip: bool, factors: dict, whole: bool) -> tuple[mx.array | None, float, float, dict]:
+    """One option of a large tensor, quantized and metered per block of output rows (see :func:`row_blocks`).
+
+    Returns the dequantized weight (assembled in one preallocated float32 array, only when
+    ``whole``), the errors and the clip statistics. The codes of every row are those of the
+    one-piece quantizer (rows are independent); error sums and the clip improvement add the
+    blocks' float32 sums in double precision, so they equal the one-piece figures to float rounding.
+    """
+    shape = tuple(int(d) for d in w.shape)
+    wq_all = mx.zeros(shape, dtype=mx.float32) if whole else None
+    onum = wnum = base = best = 0.0
+    clipped, have = 0, set()
+    for i, sl in enumerate(meter.blocks):
+        wb = w[..., sl, :]
+        qt = quantize_tensor(wb, opt, gram, method=method, clip=clip, factor_cache=factors)  # the converter's
+        wq = qt.dequantize(mx.float32)
+        o, w_ = meter.partial(i, wq)
+        onum, wnum = onum + o, wnum + w_
+        st = qt.stats
+        if "clipped_fraction" in st:  # back to a count: exact (the fraction is count / size)
+            clipped += round(st["clipped_fraction"] * math.prod(int(d) for d in wb.shape))
+            have.add("clipped_fraction")
+        if "clip_improvement" in st:
+            base, best = base + st["clip_base_err"], best + st["clip_best_err"]
+            have.add("clip_improvement")
+        if wq_all is not None:
+            wq_all[..., sl, :] = wq  # in place: the array's only reference
+            mx.eval(wq_all)
+        del qt, wq
+    err, werr = meter.result(onum, wnum)
+    stats = {}
+    if "clipped_fraction" in have:
+        stats["clipped_fraction"] = clipped / float(np.prod(shape))
+    if "clip_improvement" in have:
+        stats["clip_improvement"] = 1.0 - best / base if base > 0 else 0.0
+    return wq_all, err, werr, stats
 
 
 # --------------------------------------------------------------------------
@@ -406,8 +492,13 @@ def _perturbed_output(layer: nn.Module, h: mx.array, call: tuple[tuple, dict], m
     return y
 
 
+@mx.compile
 def _kl_rows(ref_logp: mx.array, logits: mx.array) -> mx.array:
-    """Summed KL(ref || q) over the positions of one row (nats)."""
+    """Summed KL(ref || q) over the positions of one row (nats).
+
+    Compiled: the elementwise steps fuse, so fewer ``[positions, vocab]`` float32
+    temporaries are live (the same values as the uncompiled expression).
+    """
     logp = nn.log_softmax(logits.astype(mx.float32), axis=-1)
     return (mx.exp(ref_logp) * (ref_logp - logp)).sum()
 

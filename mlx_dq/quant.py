@@ -654,6 +654,8 @@ def quantize_weight(
             "clipped_fraction": clipped / float(np.prod(shape)),
             "clip_improvement": 1.0 - best_total / base_total if base_total > 0 else 0.0,
             "clip_metric": clip_metric if gram is not None else "weight",
+            "clip_base_err": base_total,  # summed group errors of plain rounding and of the chosen ranges
+            "clip_best_err": best_total,
         }
     return qt
 

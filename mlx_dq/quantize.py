@@ -15,8 +15,9 @@ up unseen. Peak memory is about one layer plus activations.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,9 +33,31 @@ from .safety import check_finite_weight
 from .settings import METHODS
 
 
+ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of output rows quantized at a time (large tensors)
+
+
 # --------------------------------------------------------------------------
 # one tensor
 # --------------------------------------------------------------------------
+def row_blocks(shape: Sequence[int], budget: int | None = None) -> list[slice] | None:
+    """Slices of output rows (axis -2) of at most ``budget`` float32 bytes each (default
+    :data:`ROW_BLOCK_BYTES`); None when one block holds the whole tensor.
+
+    Rounding, the clip search and GPTQ (given the shared Gram matrix) treat
+    output rows independently, so a large tensor can be quantized and metered
+    block by block: float32 temporaries then scale with the block, not with a
+    151,936-row vocabulary.
+    """
+    if len(shape) < 2:
+        return None
+    budget = ROW_BLOCK_BYTES if budget is None else budget
+    rows, per_row = int(shape[-2]), 4 * math.prod(int(d) for d in shape) // max(1, int(shape[-2]))
+    step = max(1, budget // max(1, per_row))
+    if rows <= step:
+        return None
+    return [slice(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+
 def quantize_tensor(
     w: mx.array, option: QuantOption, gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
     damp: float = DEFAULT_DAMP,
@@ -62,6 +85,45 @@ def quantize_tensor(
     else:
         qt = quantize_weight(w, option, gram=gram, clip=clip, scale_dtype=scale_dtype, natural_order=natural)
     return promote_to_uniform(qt) if natural else qt
+
+
+def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, **kw: Any) -> QuantizedTensor:
+    """:func:`quantize_tensor` of a large tensor one block of output rows at a time (:func:`row_blocks`).
+
+    Rows are independent (the Gram matrix and the channel order are the whole
+    tensor's), so the codes, scales and biases equal the one-piece result;
+    the packed blocks are joined. Working memory scales with the block.
+    Tensors of one block go to :func:`quantize_tensor` as they are.
+    """
+    blocks = row_blocks(w.shape)
+    if blocks is None or option.keep16:
+        return quantize_tensor(w, option, gram, **kw)
+    kw.setdefault("factor_cache", {})
+    parts, count, base, best, seconds = [], 0, 0.0, 0.0, 0.0
+    for sl in blocks:
+        qt = quantize_tensor(w[..., sl, :], option, gram, **kw)
+        st = qt.stats
+        if "clipped_fraction" in st:  # back to a count: exact (the fraction is count / size)
+            count += round(st["clipped_fraction"] * math.prod(int(d) for d in w[..., sl, :].shape))
+        base, best = base + st.get("clip_base_err", 0.0), best + st.get("clip_best_err", 0.0)
+        seconds += st.get("seconds", 0.0)
+        mx.eval(*[a for p in qt.parts for a in p])
+        parts.append(qt)
+    out = parts[0]
+    out.shape = tuple(int(d) for d in w.shape)
+    out.parts = [tuple(mx.concatenate([q.parts[j][i] for q in parts], axis=-2) for i in range(3))
+                 for j in range(len(out.parts))]
+    st = dict(out.stats)
+    if "clipped_fraction" in st:
+        st["clipped_fraction"] = count / float(math.prod(out.shape))
+    if "clip_improvement" in st:
+        st.update(clip_base_err=base, clip_best_err=best, clip_improvement=1.0 - best / base if base > 0 else 0.0)
+    if "seconds" in st:
+        st["seconds"] = seconds
+    if "extra_damp" in st:
+        st["extra_damp"] = max(q.stats["extra_damp"] for q in parts)
+    out.stats = st
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -113,8 +175,8 @@ def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, Qu
         gram = st.gram if st is not None else None
         w = mod.weight
         check_finite_weight(path, w)
-        qt = quantize_tensor(w, options.get(path, QuantOption.fp16()), gram, method=how.method, clip=how.clip,
-                             damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype)
+        qt = quantize_rows(w, options.get(path, QuantOption.fp16()), gram, method=how.method, clip=how.clip,
+                           damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype)
         out.append(QuantizedModule(path, mod, qt, gram, w))
     return out
 
@@ -131,9 +193,9 @@ def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, Quan
     for path, mod in mods.items():
         if owner[path] == dist.rank():
             st = stats.get(path)
-            mine[path] = quantize_tensor(mod.weight, opts[path], st.gram if st is not None else None,
-                                         method=how.method, clip=how.clip, damp=how.damp, promote=how.promote_mixed,
-                                         scale_dtype=how.scale_dtype)
+            mine[path] = quantize_rows(mod.weight, opts[path], st.gram if st is not None else None,
+                                       method=how.method, clip=how.clip, damp=how.damp, promote=how.promote_mixed,
+                                       scale_dtype=how.scale_dtype)
     every = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
     for path, mod in mods.items():
         st = stats.get(path)

@@ -267,3 +267,87 @@ def test_refine_group_params_equals_reference(bits) -> None:
     want = _reference_refine(w, res.scales, res.biases, bits, wt)
     assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
     assert not mx.array_equal(got[0], res.scales).item()  # the refinement changed something
+
+
+# --------------------------------------------------------------------------
+# measuring a large tensor in blocks of output rows
+# --------------------------------------------------------------------------
+BLOCK_CASES = [(method, clip, desc, kind)
+               for method, clip in [("rtn", False), ("rtn", True), ("gptq", True)]
+               for desc in ["1.0:3b_64g", "0.25:4b_64g/0.75:2b_64g"]
+               for kind in ["gram", "lookup", "plain", "bank"]
+               if not (method == "gptq" and kind != "gram")]
+
+
+@pytest.mark.parametrize("method,clip,desc,kind", BLOCK_CASES)
+def test_measure_in_row_blocks_equals_one_piece(method, clip, desc, kind, monkeypatch) -> None:
+    """Row blocks give the one-piece codes bit for bit, errors to float rounding and the same clip counts."""
+    from mlx_dq import measure as measure_mod
+    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.capture import InputStats
+
+    rng = np.random.default_rng(5)
+    rows, in_f = 300, 128
+    shape = (2, rows, in_f) if kind == "bank" else (rows, in_f)
+    w = mx.array((rng.standard_normal(shape) * rng.uniform(0.2, 3.0, (rows, 1))).astype(np.float32))
+    x = rng.standard_normal((512, in_f)).astype(np.float32) * rng.uniform(0.1, 4.0, in_f).astype(np.float32)
+    gram = mx.array(x.T @ x)
+    if kind == "bank":
+        gram = mx.stack([gram, gram * 0.5 + mx.eye(in_f)])
+    stats = InputStats(gram=gram, rows=512) if kind in ("gram", "bank") else None
+    lookup = None
+    if kind == "lookup":
+        lookup = InputStats(gram=None, rows=512, token_counts=rng.integers(0, 9, rows).astype(np.float64))
+    opts = [QuantOption.parse(desc)]
+
+    def run(budget: int | None):
+        seen = []
+        monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", budget or 2**40)
+        rec = measure_mod.measure_tensor("t", w, opts, stats, "default", lookup=lookup, clip=clip, method=method,
+                                         damage_fn=lambda wq: seen.append(np.array(wq)) or 0.0)
+        return rec.options[0], seen[0]
+
+    one, wq_one = run(None)
+    assert quantize_mod.row_blocks(shape, 4 * in_f * 70 * (2 if kind == "bank" else 1)) is not None
+    blocked, wq_blocked = run(4 * in_f * 70 * (2 if kind == "bank" else 1))  # 70 rows a block: 5 blocks, one short
+    assert np.array_equal(wq_blocked, wq_one)
+    assert blocked.err == pytest.approx(one.err, rel=1e-5)
+    assert blocked.weight_err == pytest.approx(one.weight_err, rel=1e-5)
+    assert (blocked.clip or {}).keys() == (one.clip or {}).keys()
+    if one.clip:
+        assert blocked.clip["clipped_fraction"] == one.clip["clipped_fraction"]
+        if "clip_improvement" in one.clip:
+            assert blocked.clip["clip_improvement"] == pytest.approx(one.clip["clip_improvement"], rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("method,clip,desc,promote", [
+    ("rtn", False, "0.25:4b_64g/0.75:2b_64g", False), ("rtn", True, "1.0:3b_64g", False),
+    ("gptq", True, "1.0:3b_64g", False), ("gptq", True, "0.25:4b_64g/0.75:2b_64g", False),
+    ("gptq", True, "0.25:4b_64g/0.75:2b_64g", True)])
+@pytest.mark.parametrize("bank", [False, True])
+def test_quantize_rows_equals_one_piece(method, clip, desc, promote, bank, monkeypatch) -> None:
+    """The converter's row-block quantizer stores the one-piece codes, scales and biases bit for bit."""
+    from mlx_dq import quantize as quantize_mod
+
+    rng = np.random.default_rng(6)
+    rows, in_f = 300, 128
+    shape = (2, rows, in_f) if bank else (rows, in_f)
+    w = mx.array((rng.standard_normal(shape) * rng.uniform(0.2, 3.0, (rows, 1))).astype(np.float32))
+    x = rng.standard_normal((512, in_f)).astype(np.float32) * rng.uniform(0.1, 4.0, in_f).astype(np.float32)
+    gram = mx.array(x.T @ x)
+    opt = QuantOption.parse(desc)
+    kw = dict(method=method, clip=clip, promote=promote)
+    one = quantize_mod.quantize_tensor(w, opt, gram, **kw)
+    monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * in_f * 70 * (2 if bank else 1))
+    assert quantize_mod.row_blocks(shape) is not None
+    blocked = quantize_mod.quantize_rows(w, opt, gram, **kw)
+    assert blocked.shape == one.shape and blocked.bits == one.bits and blocked.widths == one.widths
+    assert (blocked.perm is None) == (one.perm is None)
+    if one.perm is not None:
+        assert np.array_equal(blocked.perm, one.perm)
+    for pa, pb in zip(blocked.parts, one.parts):
+        for a, b in zip(pa, pb):
+            assert a.shape == b.shape and np.array_equal(np.array(a), np.array(b))
+    assert blocked.stats.get("clipped_fraction") == one.stats.get("clipped_fraction")
+    if "clip_improvement" in one.stats:
+        assert blocked.stats["clip_improvement"] == pytest.approx(one.stats["clip_improvement"], rel=1e-5)

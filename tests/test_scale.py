@@ -105,6 +105,31 @@ def test_chunked_head_equals_one_piece(big_vocab, grid_file, monkeypatch, kind):
     _assert_same(chunked, whole)
 
 
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_head_in_row_blocks_equals_one_piece(big_vocab, grid_file, monkeypatch, kind):
+    """Embedding and head options quantized and metered in blocks of rows give the one-piece measurement."""
+    from mlx_dq import quantize as quantize_mod
+
+    whole = _run(big_vocab[kind], grid_file)
+    blocks_seen = []
+    orig = quantize_mod.row_blocks
+
+    def spy(shape, budget=None):
+        out = orig(shape, budget)
+        blocks_seen.append(0 if out is None else len(out))
+        return out
+
+    monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * 128 * 150)  # 150 rows of 128 channels a block
+    monkeypatch.setattr(measure_mod, "row_blocks", spy)
+    blocked = _run(big_vocab[kind], grid_file)
+    assert max(blocks_seen) >= 6  # the 2048-row embedding/head went in blocks
+    _assert_same(blocked, whole, rel=1e-5)
+    head = "lm_head" if kind == "untied" else "model.embed_tokens"
+    for key in {head, "model.embed_tokens"}:
+        for oa, ob in zip(blocked.tensors[key].options, whole.tensors[key].options):
+            assert (oa.clip or {}) == pytest.approx(ob.clip or {}, rel=1e-5, abs=1e-9)
+
+
 def test_chunked_tensor_kl_equals_direct(big_vocab):
     """``tensor_kl`` with small head chunks equals the KL computed from whole-model logits."""
     import mlx.nn as nn
