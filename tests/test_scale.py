@@ -71,7 +71,9 @@ def _assert_same(a, b, rel: float = 1e-4) -> None:
     assert set(a.tensors) == set(b.tensors)
     for key, ta in a.tensors.items():
         tb = b.tensors[key]
-        assert ta.importance == pytest.approx(tb.importance, rel=rel, abs=1e-9), key
+        # a head's importance is its reference option's damage / err**2: it carries the damage's tolerance below
+        end_to_end = any(o.damage is not None for o in ta.options)
+        assert ta.importance == pytest.approx(tb.importance, rel=1e-3 if end_to_end else rel, abs=1e-9), key
         for oa, ob in zip(ta.options, tb.options):
             assert oa.option.desc == ob.option.desc
             assert oa.err == pytest.approx(ob.err, rel=rel, abs=1e-9), (key, oa.option.desc)
