@@ -224,15 +224,20 @@ def goal_status(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _goal_cells(g: dict) -> tuple[dict | None, dict | None, str, str]:
+    """One goal's mlx-dq row, mlx-lm row, KL ratio and met/missed cell, as the goal tables print them."""
+    dq, lm = g["dq"], g["lm"]
+    ratio = f"{float(dq['kl']) / float(lm['kl']):.2f}" if dq and lm else ""
+    return dq, lm, ratio, {True: "yes", False: "**no**", None: "not run"}[g["met"]]
+
+
 def goal_lines(rows: list[dict]) -> list[str]:
     """Markdown lines: the issue's goals on one text (mlx-dq at 3.5 vs mlx-lm 4-bit g64; at 4.0 vs GPTQ/AWQ)."""
     lines = ["", "Goals: mlx-dq at 3.5 bpw has KL <= mlx-lm 4-bit g64 (4.5 bpw); mlx-dq at 4.0 bpw has KL <= "
              "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ).", "",
              "| goal | mlx-dq row | bpw | KL | mlx-lm row | bpw | KL | ratio | met |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
     for g in goal_status(rows):
-        dq, lm = g["dq"], g["lm"]
-        ratio = f"{float(dq['kl']) / float(lm['kl']):.2f}" if dq and lm else ""
-        met = {True: "yes", False: "**no**", None: "not run"}[g["met"]]
+        dq, lm, ratio, met = _goal_cells(g)
         lines.append(f"| {g['target']:g} bpw vs {g['label']} | {dq['method'] if dq else g['family'] + ' (no row)'} | "
                      f"{_fmt(dq or {}, 'bpw', '.3f')} | {_fmt(dq or {}, 'kl', '.5f')} | {lm['method'] if lm else ''} | "
                      f"{_fmt(lm or {}, 'bpw', '.3f')} | {_fmt(lm or {}, 'kl', '.5f')} | {ratio} | {met} |")
@@ -266,9 +271,7 @@ def goal_summary(rows: list[dict]) -> list[str]:
            "| text | goal | mlx-dq row | KL | mlx-lm row | KL | ratio | met |", "|---|---|---|---:|---|---:|---:|---|"]
     for text in order:
         for g in per_text[text]:
-            dq, lm = g["dq"], g["lm"]
-            ratio = f"{float(dq['kl']) / float(lm['kl']):.2f}" if dq and lm else ""
-            met = {True: "yes", False: "**no**", None: "not run"}[g["met"]]
+            dq, lm, ratio, met = _goal_cells(g)
             out.append(f"| {text} | {g['target']:g} bpw vs {g['label']} | "
                        f"{dq['method'] if dq else g['family'] + ' (no row)'} | {_fmt(dq or {}, 'kl', '.4f')} | "
                        f"{lm['method'] if lm else ''} | {_fmt(lm or {}, 'kl', '.4f')} | {ratio} | {met} |")

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from . import calib as calib_mod
 from . import kernels
 from .loader import _set_module
+from .estimate import format_seconds
 from .names import MANIFEST_NAME
 from .settings import DistillSettings
 from .writer import DEFAULT_SHARD_BYTES, ShardWriter, prepare_output, publish
@@ -261,7 +262,7 @@ def train(model: nn.Module, teacher: Callable[[list[int]], mx.array], rows: mx.a
         if step == 0:
             first = time.perf_counter() - ts
             say(f"one step ({s.batch_size} x {rows.shape[1]} tokens) took {first:.1f} s: "
-                f"{s.steps} steps will take about {_duration(first * s.steps)}")
+                f"{s.steps} steps will take about {format_seconds(first * s.steps)}")
             bar = tqdm(total=s.steps, initial=1, desc="distill", unit="step", disable=not progress)
         else:
             bar.update(1)
@@ -269,14 +270,6 @@ def train(model: nn.Module, teacher: Callable[[list[int]], mx.array], rows: mx.a
     if bar is not None:
         bar.close()
     return {"losses": losses, "seconds": time.perf_counter() - t0}
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 # --------------------------------------------------------------------------

@@ -48,14 +48,15 @@ class Estimate:
         return [
             f"{self.what}: {self.macs / 1e12:.2f} T multiply-adds"
             + (f", {self.measurements} (tensor, option) errors" if self.measurements else ""),
-            f"  time: about {_fmt_s(self.seconds)} at {self.flops / 1e9:.1f} GFLOP/s float32 matmul "
+            f"  time: about {format_seconds(self.seconds)} at {self.flops / 1e9:.1f} GFLOP/s float32 matmul "
             f"(x{TIME_FACTOR:g} for the quantizers' own overhead)",
             f"  peak memory: about {self.peak_bytes / 2**30:.2f} GiB",
             f"  disk: about {self.disk_bytes / 2**20:.1f} MiB written",
         ]
 
 
-def _fmt_s(s: float) -> str:
+def format_seconds(s: float) -> str:
+    """A duration for people: seconds, minutes or hours."""
     return f"{s:.0f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
 
 

@@ -212,16 +212,9 @@ class _ErrorMeter:
         self.w32 = w.astype(mx.float32) if self.blocks is None else None
         self.wden = self.oden = 0.0
         for i in range(len(self.blocks or [None])):
-            w32 = self._w32(i)
-            wden = self._square_sum(w32, None)
-            oden = wden
-            if self.g is not None:
-                oden = self._square_sum(w32, self.g)
-            elif self.c is not None:
-                oden = (self._c(i) * w32 * w32).sum()
-            mx.eval(wden, oden)
-            self.wden += wden.item()
-            self.oden += oden.item()
+            oden, wden = self._sums(i, self._w32(i))
+            self.wden += wden
+            self.oden += oden
 
     def _w32(self, i: int) -> mx.array:
         return self.w32 if self.blocks is None else self.w[..., self.blocks[i], :].astype(mx.float32)
@@ -235,18 +228,20 @@ class _ErrorMeter:
             return (x * x).sum() if self.rw is None else (self.rw * x * x).sum()
         return ((x @ g) * x).sum() if self.rw is None else (self.rw * (x @ g) * x).sum()
 
+    def _sums(self, i: int, x: mx.array) -> tuple[float, float]:
+        """The (output, weight) squared sums of block ``i``'s rows ``x``: against the Gram, the token counts or plain."""
+        wsum = self._square_sum(x, None)
+        osum = wsum
+        if self.g is not None:
+            osum = self._square_sum(x, self.g)
+        elif self.c is not None:
+            osum = (self._c(i) * x * x).sum()
+        mx.eval(osum, wsum)
+        return osum.item(), wsum.item()
+
     def partial(self, i: int, wq: mx.array) -> tuple[float, float]:
         """The (output, weight) squared-error sums of block ``i`` (``wq``: that block's rows; the whole tensor when one)."""
-        w32 = self._w32(i)
-        d = wq.astype(mx.float32) - w32
-        wnum = self._square_sum(d, None)
-        onum = wnum
-        if self.g is not None:
-            onum = self._square_sum(d, self.g)
-        elif self.c is not None:
-            onum = (self._c(i) * d * d).sum()
-        mx.eval(onum, wnum)
-        return onum.item(), wnum.item()
+        return self._sums(i, wq.astype(mx.float32) - self._w32(i))
 
     def result(self, onum: float, wnum: float) -> tuple[float, float]:
         """(err, weight_err) from summed squared errors."""
@@ -261,12 +256,6 @@ class _ErrorMeter:
             o, w_ = self.partial(i, wq[..., sl, :])
             onum, wnum = onum + o, wnum + w_
         return self.result(onum, wnum)
-
-
-def _error_meter(w: mx.array, gram: mx.array | None, counts: np.ndarray | None,
-                 row_weights: mx.array | None = None) -> _ErrorMeter:
-    """An :class:`_ErrorMeter` (kept for callers of the function form)."""
-    return _ErrorMeter(w, gram, counts, row_weights)
 
 
 def _relative(num: float, den: float) -> float:
@@ -316,7 +305,7 @@ def measure_tensor(
     w_full = w
     if rows_idx is not None:
         w = w[rows_idx]
-    meter = _error_meter(w, gram, lookup.token_counts if lookup is not None and gram is None else None,
+    meter = _ErrorMeter(w, gram, lookup.token_counts if lookup is not None and gram is None else None,
                          row_weights)
     rec = TensorRecord(key, shape, role=role)
     fitting = fitting_options(options, shape[-1])
@@ -510,7 +499,7 @@ def _add_lookup_damage(head_fn: Callable[[mx.array], float], w: mx.array, lookup
     The lookup side cannot be measured end to end in the same pass (its effect runs through every layer),
     and it is not small: on SmolLM2-135M quantizing only the lookup at 2 bits costs KL 0.65, at 3 bits 0.07.
     """
-    meter = _error_meter(w, None, lookup.token_counts)
+    meter = _ErrorMeter(w, None, lookup.token_counts)
     parts: list[float] = []
 
     def fn(wq: mx.array) -> float:
@@ -663,7 +652,6 @@ class _Run:
     embed_importance: float = 0.0
     t_start: float = 0.0
     rates: dict = field(default_factory=dict)  # option -> [seconds, weights] measured so far on every rank
-    timings: dict = field(default_factory=dict)  # this layer's option seconds on this rank, path -> option -> s
 
 
 def measure(
@@ -808,9 +796,9 @@ def _measure_layer(run: _Run, i: int) -> None:
     for k in run.carried:  # perturbed copies of earlier layers travel on through this one
         run.carried[k] = layer(run.carried[k], *call0[0], **call0[1]).astype(mx.float32)
         mx.eval(run.carried[k])
-    records, refs, owner = _measure_options(run, mods, col)
+    records, refs, owner, timings = _measure_options(run, mods, col)
     t2 = time.perf_counter()
-    _layer_importance(run, i, mods, records, refs, owner)
+    _layer_importance(run, i, mods, records, refs, owner, timings)
     run.hidden = new_hidden
     del new_hidden, refs, col
     runner.free(i)
@@ -825,8 +813,9 @@ def _measure_layer(run: _Run, i: int) -> None:
     _save_layer(run, i)
 
 
-def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) -> tuple[list, dict, dict]:
-    """Every option of every tensor of a layer (this rank's share); the reference options' weights for importance."""
+def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) -> tuple[list, dict, dict, dict]:
+    """Every option of every tensor of a layer (this rank's share): records, the reference options' weights for
+    importance, the option owners and this rank's option seconds (path -> option -> s)."""
     s = run.s
     records, refs, timings = [], {}, {}
     owner = _share_options(run, mods)  # {} with one rank
@@ -851,13 +840,14 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
                                                  clip=run.clip).dequantize(mx.float32)
             refs[path] = kept[ref.desc]
             rec.extra["importance_ref"] = ref.desc
-    run.timings = timings  # learned once every rank is past its share (after the layer's gather)
-    return records, refs, owner
+    return records, refs, owner, timings
 
 
 def _layer_importance(run: _Run, i: int, mods: dict[str, nn.Module], records: list, refs: dict,
-                      owner: dict) -> None:
-    """Residual importance of a layer's tensors, and (sampled layers) the perturbed copy carried to the logits."""
+                      owner: dict, timings: dict) -> None:
+    """Residual importance of a layer's tensors, and (sampled layers) the perturbed copy carried to the logits.
+
+    When distributed, also gathers the layer's results and every rank's option ``timings``."""
     s, layer, call0 = run.s, run.runner.layers[i], run.runner.calls[0][i]
     hidden = run.hidden
     imp = {}
@@ -866,7 +856,7 @@ def _layer_importance(run: _Run, i: int, mods: dict[str, nn.Module], records: li
     if owner:  # gather every rank's options, importances (and the sampled layers' references)
         records[:], imp, refs = dist.gather_layer(
             records, imp, refs if run.kl_scale and i in run.sample_layers else {}, owner, list(mods))
-        _learn_rates(run, mods, run.timings)
+        _learn_rates(run, mods, timings)  # once every rank is past its share
     if s.importance != "residual":
         return
     for rec in records:
