@@ -42,6 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dq import baselines, calib, evaluate
+from mlx_dq.settings import DistillSettings
 from mlx_dq.sources import DEFAULT_MODEL, load_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -71,6 +72,7 @@ DEFAULT_TEXTS = ("pydoc", "shakespeare", "dialog")
 GOALS = ((3.5, ("mlx-lm 4-bit g64",), "mlx-lm 4-bit g64 (4.5 bpw)"),
          (4.0, ("mlx-lm GPTQ", "mlx-lm AWQ"), "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ)"))
 RTN_TARGETS = (3.0, 4.0)  # mlx-dq without error compensation (measured with rounding, converted with rounding + clip)
+DISTILL_FAMILY = "mlx-dq + distill"  # the mixed-proportion model, distilled against the source (convert --distill)
 
 
 @functools.lru_cache(maxsize=None)  # taken once, at the start of a run: edits made while it runs do not count
@@ -217,6 +219,7 @@ def goal_status(rows: list[dict]) -> list[dict]:
         lm = [r for r in rows if any(r["method"] == p or r["method"].startswith(p + " ") for p in prefixes)]
         best = min(lm, key=lambda r: float(r["kl"])) if lm else None
         present = [f for f in ("mlx-dq", "mlx-dq --mlx-lm-compatible") if any(r["family"] == f for r in rows)]
+        present += [DISTILL_FAMILY] if any(r["method"] == f"{DISTILL_FAMILY} @{target:g}" for r in rows) else []
         for fam in present or ["mlx-dq"]:
             dq = next((r for r in rows if r["family"] == fam and r["method"] == f"{fam} @{target:g}"), None)
             met = None if dq is None or best is None else float(dq["kl"]) <= float(best["kl"])
@@ -343,6 +346,7 @@ def write_plot(path: Path, rows: list[dict], texts: list[str], title: str) -> No
         "mlx-dq": ("tab:red", "*", "-"),
         "mlx-dq --mlx-lm-compatible": ("tab:green", "P", "-"),
         "mlx-dq (no compensation)": ("tab:brown", "x", ":"),
+        DISTILL_FAMILY: ("darkred", "*", ":"),
     }
     for ax, text in zip(axes[0], texts):
         series: dict[str, list[tuple[float, float]]] = {}
@@ -440,11 +444,15 @@ def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache:
 def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: tuple[str, ...] = ("mixed", "compatible"),
                     rtn_targets: tuple[float, ...] = RTN_TARGETS, head_option: str | None = None,
                     calib_rows: int | None = None, calib_seq: int | None = None,
-                    measure_method: str = "gptq", grid: str | None = None) -> Iterator[Variant]:
+                    measure_method: str = "gptq", grid: str | None = None,
+                    distill_targets: tuple[float, ...] = (), distill_settings: DistillSettings | None = None,
+                    base: nn.Module | None = None) -> Iterator[Variant]:
     """mlx-dq at each target as a user gets it: ``measure`` -> ``optimize`` -> ``quantize_model``, library defaults.
 
     Mixed-proportion and ``--mlx-lm-compatible`` plans with error compensation (GPTQ, the default), then
-    the same pipeline without it (measured and quantized with rounding + clip) at ``rtn_targets``.
+    the same pipeline without it (measured and quantized with rounding + clip) at ``rtn_targets``, then
+    the mixed-proportion model at ``distill_targets`` distilled against ``base`` (the float32 source) with
+    ``distill_settings`` (what ``mlx_dq convert --distill`` does).
     ``head_option`` None puts embedding and head in the bpw budget (so the target is the total bpw).
     ``calib_rows``/``calib_seq`` None: the measurer's and converter's own defaults. Quantizes in memory
     with ``mlx_dq.convert.quantize_model`` (the converter's own arithmetic).
@@ -487,6 +495,20 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
                  "spent_measuring_s": state[mm + "_s"] if first else 0.0}
         return conv.quantize_model(spec, plan, **kw)[0], extra
 
+    def build_distilled(target: float) -> tuple[nn.Module, dict]:
+        from mlx_dq import calib as calib_mod
+        from mlx_dq.distill import distill_model
+        from mlx_dq.sources import resolve
+
+        q, extra = build(target, False, "gptq")
+        d = distill_settings or DistillSettings()
+        _, tokens = calib_mod.calibration_rows(resolve(spec).tokenizer(), d.calib, d.rows, d.seq_len, d.seed)
+        t0 = time.perf_counter()
+        _, rec = distill_model(q, base, tokens, d, progress=False, say=lambda m: print(f"  {m}", flush=True))
+        print(f"  distilled in {time.perf_counter() - t0:.0f} s: KL on its rows {rec['kl_train_before']:.4f} -> "
+              f"{rec['kl_train_after']:.4f}", flush=True)
+        return q, extra
+
     runs = [("gptq", False, t) for t in targets if "mixed" in modes] + [("rtn", False, t) for t in rtn_targets]
     runs += [("gptq", True, t) for t in targets if "compatible" in modes]
     for method, compatible, t in runs:
@@ -495,6 +517,13 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         yield Variant(family + suffix, f"{family}{suffix} @{t:g}",
                       lambda t=t, c=compatible, m=method: build(t, c, m),
                       f"target {t:g} bpw, {'GPTQ' if method == 'gptq' else 'rounding + clip'}")
+    if distill_targets and base is None:
+        raise ValueError("distilled rows need the float32 source model (base)")
+    d = distill_settings or DistillSettings()
+    for t in distill_targets:
+        yield Variant(DISTILL_FAMILY, f"{DISTILL_FAMILY} @{t:g}", lambda t=t: build_distilled(t),
+                      f"target {t:g} bpw, GPTQ, then distilled ({d.steps} steps, {d.rows} x {d.seq_len} calibration "
+                      f"tokens, lr {d.lr:g})")
 
 
 def _numbers(text: str, hint: str) -> tuple[float, ...]:
@@ -547,6 +576,16 @@ def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
               help="bpw targets for mlx-dq without error compensation (rounding + clip), comma separated; '' for none.")
 @click.option("--dq-modes", default="mixed,compatible", show_default=True,
               help="mlx-dq plans to run: mixed (mixed-proportion options allowed), compatible (--mlx-lm-compatible).")
+@click.option("--distill-targets", default="", show_default=True,
+              help="bpw targets at which the mlx-dq model is also distilled (a '+ distill' row), comma separated.")
+@click.option("--distill-rows", default=DistillSettings.rows, show_default=True, type=click.IntRange(min=1),
+              help="Distillation: calibration rows.")
+@click.option("--distill-seq-len", default=DistillSettings.seq_len, show_default=True, type=click.IntRange(min=3),
+              help="Distillation: tokens per row.")
+@click.option("--distill-steps", default=DistillSettings.steps, show_default=True, type=click.IntRange(min=1),
+              help="Distillation: optimizer steps.")
+@click.option("--distill-lr", default=DistillSettings.lr, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Distillation: Adam learning rate.")
 @click.option("--head-option", default="budget", show_default=True,
               help="mlx-dq embedding/head option, or 'budget' to let the optimizer choose it inside the target.")
 @click.option("--select", default=None,
@@ -562,12 +601,25 @@ def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
 def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_rows: int,
          calib_seq_len: int, lm_calib_rows: int, lm_calib_seq_len: int, targets: str, dq_calib_rows: int | None,
          dq_calib_seq_len: int | None, dq_measure_method: str, dq_grid: str | None, rtn_targets: str, dq_modes: str,
+         distill_targets: str, distill_rows: int, distill_seq_len: int, distill_steps: int, distill_lr: float,
          head_option: str, select: str | None, only: str, label: str | None, resume: bool,
          merge: tuple[str, ...], out_dir: Path) -> None:
     """Build every mlx-lm method and mlx-dq once, evaluate each on the same rows of every text; write CSV, markdown, PNG."""
     t_start = time.perf_counter()
     dq_targets = _numbers(targets, "--bpw")
     rtn = _numbers(rtn_targets, "--rtn-targets")
+    dist_targets = _numbers(distill_targets, "--distill-targets")
+    given = [f for f, v, d in (("--distill-rows", distill_rows, DistillSettings.rows),
+                               ("--distill-seq-len", distill_seq_len, DistillSettings.seq_len),
+                               ("--distill-steps", distill_steps, DistillSettings.steps),
+                               ("--distill-lr", distill_lr, DistillSettings.lr)) if v != d]
+    if given and not dist_targets:
+        raise click.UsageError(f"{', '.join(given)} apply to distilled rows only: give --distill-targets too")
+    try:
+        d_settings = DistillSettings(rows=distill_rows, seq_len=distill_seq_len, steps=distill_steps,
+                                     lr=distill_lr).with_options()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--distill-*") from None
     bad = [m for m in dq_modes.split(",") if m.strip() not in ("mixed", "compatible")]
     if bad:
         raise click.BadParameter(f"unknown mode(s) {bad}: use mixed and/or compatible", param_hint="--dq-modes")
@@ -629,7 +681,8 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
         variants.append(mlx_dq_variants(spec, dq_targets, cache,
                                         tuple(m.strip() for m in dq_modes.split(",") if m.strip()), rtn,
                                         None if head_option == "budget" else head_option,
-                                        dq_calib_rows, dq_calib_seq_len, dq_measure_method, dq_grid))
+                                        dq_calib_rows, dq_calib_seq_len, dq_measure_method, dq_grid,
+                                        dist_targets, d_settings, model))
     for group in variants:
         for v in group:
             todo = [n for n in eval_rows if (n, v.name) not in done]
@@ -696,7 +749,13 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
             "its defaults are 2,048 samples x 1,025 tokens, batch 4, i.e. 512 forward+backward passes through a "
             "quantized model, many hours on a CPU; a reduced run that fits about an hour here would distil on too "
             "few tokens to stand for the method.",
-        ] + ([f"Only rows whose name matches `{select}` were built."] if select else []),
+        ] + ([f"'{DISTILL_FAMILY}' rows: the mixed-proportion mlx-dq model at that target, then its scales and "
+               "biases distilled against the float32 source's logits on calibration rows, codes fixed (`mlx_dq "
+               "convert --distill`, the `mlx_dq distill` stage): "
+               + "; ".join(sorted({f"{r['method']}: {r['notes']}" for r in results if r["family"] == DISTILL_FAMILY
+                                   and r.get("text") == next(iter(eval_sets))}))]
+             if any(r["family"] == DISTILL_FAMILY for r in results) else [])
+        + ([f"Only rows whose name matches `{select}` were built."] if select else []),
     )
     write_markdown(out_dir / "quality.md", results, info)
     write_plot(out_dir / "quality.png", results, list(eval_sets), f"{spec}: mlx-dq vs mlx-lm quantization")

@@ -188,6 +188,16 @@ def load_section(manifest: dict, ref: str) -> str:
     return "\n".join(lines)
 
 
+def _distill_line(rec: dict) -> str:
+    """The card's line for a distilled folder: settings and the KL on the training rows before and after."""
+    d = rec.get("settings", {})
+    return (f"- **Distillation:** scales and biases trained against the source's logits (codes fixed): "
+            f"{d.get('steps', 'n/a')} Adam steps, lr {d.get('lr', 'n/a')}, {d.get('rows', 'n/a')} rows x "
+            f"{d.get('seq_len', 'n/a')} tokens of {'the bundled calibration text' if d.get('calib') in (None, 'default') else d['calib']}"
+            f", seed {d.get('seed', 'n/a')}; KL on those rows {_fmt(rec.get('kl_train_before'), '.4f')} -> "
+            f"{_fmt(rec.get('kl_train_after'), '.4f')}.")
+
+
 def _method_section(manifest: dict) -> str:
     prov = manifest.get("provenance", {})
     settings = prov.get("settings", {})
@@ -219,6 +229,7 @@ def _method_section(manifest: dict) -> str:
         f"damage ({plan.get('method', 'n/a')}): achieved {_fmt(plan.get('achieved_bpw'), '.4f')} bpw, "
         f"objective {_fmt(plan.get('objective'), '.4g')}, lower bound {_fmt(plan.get('lower_bound'), '.4g')}.",
         f"- **Quantization:** {quant}.",
+        *([_distill_line(prov["distill"])] if prov.get("distill") else []),
         f"- **Output:** {_fmt(acc.get('average_bits_all'), '.3f')} bits per weight over all quantizable tensors, "
         f"{_fmt((acc.get('weights_on_disk_bytes') or 0) / 2**20, '.1f')} MiB of weights; "
         + ("whole-tensor options only (`--mlx-lm-compatible`)" if settings.get("mlx_lm_compatible")

@@ -397,6 +397,17 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
               help="Use an unfinished --measurement (unmeasured tensors stay 16-bit).")
 @click.option("--allow-other-model", is_flag=True,
               help="Use a --measurement or --plan made for another model with the same tensor names and shapes.")
+@click.option("--distill", is_flag=True,
+              help="Then distil the quantized scales and biases against the source's logits (codes fixed) "
+                   "before the folder is published; calibration text and seed as for quantizing.")
+@click.option("--distill-rows", type=click.IntRange(min=1), default=None,
+              help=f"With --distill: calibration rows [default: {_D.rows}].")
+@click.option("--distill-seq-len", type=click.IntRange(min=3), default=None,
+              help=f"With --distill: tokens per row [default: {_D.seq_len}].")
+@click.option("--distill-steps", type=click.IntRange(min=1), default=None,
+              help=f"With --distill: optimizer steps [default: {_D.steps}].")
+@click.option("--distill-lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help=f"With --distill: Adam learning rate, relative to each scale [default: {_D.lr:g}].")
 @click.option("--estimate", is_flag=True, help="Print the predicted time, peak memory and disk, and exit.")
 @click.option("--flops", type=float, default=None, help="With --estimate: this float32 FLOP/s instead of timing one.")
 @click.pass_context
@@ -404,8 +415,9 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             plan_path: str | None, mlx_lm_compatible: bool, promote_mixed: bool, head_option: str,
             keep: tuple[str, ...], keep_outside_budget: bool, calib: str | None, rows: int, seq_len: int, seed: int,
             method: str, no_sequential: bool, no_clip: bool, force: bool, dtype: str, upload_repo: str | None,
-            allow_incomplete: bool, allow_other_model: bool, estimate: bool = False,
-            flops: float | None = None) -> None:
+            allow_incomplete: bool, allow_other_model: bool, distill: bool = False, distill_rows: int | None = None,
+            distill_seq_len: int | None = None, distill_steps: int | None = None, distill_lr: float | None = None,
+            estimate: bool = False, flops: float | None = None) -> None:
     """Quantize a model to a bits-per-weight target and write an MLX folder that mlx-lm loads.
 
     The folder is built in a hidden sibling, .OUTPUT.partial-PID, and renamed
@@ -437,11 +449,20 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             QuantOption.parse(head_option)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--head-option") from None
+    d_given = {k: v for k, v in (("rows", distill_rows), ("seq_len", distill_seq_len), ("steps", distill_steps),
+                                 ("lr", distill_lr)) if v is not None}
+    if d_given and not distill:
+        raise click.UsageError(", ".join(f"--distill-{k.replace('_', '-')}" for k in d_given)
+                               + " would be ignored without --distill")
+    d_settings = None
+    if distill:
+        d_settings = DistillSettings(calib=calib, seed=seed).with_options(**d_given)
     if estimate:
         _print_estimate(model_spec, flops, "convert", bpw=bpw, rows=rows, seq_len=seq_len, method=method,
                         measure_first=measurement is None and plan_path is None,
                         measure_kwargs={"rows": rows, "seq_len": seq_len},
-                        measurement_bytes=Path(measurement).stat().st_size if measurement else None)
+                        measurement_bytes=Path(measurement).stat().st_size if measurement else None,
+                        distill=d_settings)
         return
     try:
         if upload_repo is not None:
@@ -454,7 +475,7 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             method=method,
             sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
             command=_command_line(ctx), card_ref=upload_repo,
-            allow_incomplete=allow_incomplete, allow_other_model=allow_other_model,
+            allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, distill=d_settings,
         )
     except (ValueError, FileExistsError, OSError) as e:
         raise click.ClickException(_rank_tag(str(e))) from None
@@ -467,6 +488,10 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
     click.echo(f"wrote {output}: {acc['average_bits_all']:.4f} bpw whole model (all quantizable tensors), "
                f"{planned} bpw planned budget tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
                f"{manifest['provenance']['quantization_seconds']:.0f} s")
+    drec = manifest["provenance"].get("distill")
+    if drec:
+        click.echo(f"distilled: KL on its {drec['settings']['rows']} x {drec['settings']['seq_len']} training tokens "
+                   f"{drec['kl_train_before']:.5f} -> {drec['kl_train_after']:.5f} ({drec['seconds']:.0f} s)")
     _convert_notes(output)
     click.echo(f"load with: {manifest['loading']}")
     if upload_repo is not None:
@@ -830,9 +855,10 @@ def _is_root() -> bool:
     return is_root()
 
 
-def _print_estimate(model_spec: str, flops: float | None, what: str, **kw: Any) -> None:
-    """Print the predicted cost of ``measure`` or ``convert`` from the model's shapes (no weights loaded)."""
-    from mlx_dq.estimate import estimate_convert, estimate_measure
+def _print_estimate(model_spec: str, flops: float | None, what: str, distill: DistillSettings | None = None,
+                    **kw: Any) -> None:
+    """Print the predicted cost of ``measure`` or ``convert`` (with its distillation) from the model's shapes."""
+    from mlx_dq.estimate import estimate_convert, estimate_distill, estimate_measure
     from mlx_dq.sources import resolve
 
     try:
@@ -842,6 +868,10 @@ def _print_estimate(model_spec: str, flops: float | None, what: str, **kw: Any) 
         else:
             conv, meas = estimate_convert(source, flops=flops, **kw)
             parts = [p for p in (meas, conv) if p is not None]
+            if distill is not None:
+                parts.append(estimate_distill(source, rows=distill.rows, seq_len=distill.seq_len,
+                                              steps=distill.steps, batch_size=distill.batch_size,
+                                              flops=conv.flops))
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     for p in parts:

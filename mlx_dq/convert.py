@@ -43,7 +43,7 @@ from .options import QuantOption
 from .plans import model_shapes, plan_from_options, resolve_plan  # noqa: F401  (plan_from_options re-exported)
 from .quantize import METHODS, StreamOptions, quantize_stream, quantize_tensor  # noqa: F401  (re-exported)
 from .safety import check_bpw, guard_output_folder
-from .settings import PlanSettings, QuantizeSettings
+from .settings import DistillSettings, PlanSettings, QuantizeSettings
 from .sources import build_model, resolve
 from .writer import (DEFAULT_SHARD_BYTES, MANIFEST_NAME, MODEL_FILE, MODEL_FILE_TEXT, ShardWriter,  # noqa: F401
                      build_manifest, output_config, prepare_output, publish, tensor_arrays, tensor_record)
@@ -121,6 +121,7 @@ class _Job:
     notes: list[str] = field(default_factory=list)
     plan: Plan | None = None
     measurement: Measurement | None = None
+    distill: DistillSettings | None = None
 
 
 def convert(
@@ -137,6 +138,7 @@ def convert(
     card_ref: str | None = None,
     allow_incomplete: bool = False,
     allow_other_model: bool = False,
+    distill: bool | dict | DistillSettings | None = None,
     _fail_after_layer: int | None = None,
     **options: Any,
 ) -> dict:
@@ -152,10 +154,14 @@ def convert(
     overrides :class:`~mlx_dq.settings.MeasureSettings` fields). ``command`` and
     ``card_ref`` go into the model card; ``allow_incomplete`` /
     ``allow_other_model`` accept an unfinished measurement or one (or a plan) made
-    for another model of the same tensor names and shapes. Returns the manifest.
+    for another model of the same tensor names and shapes. ``distill`` (True, a dict of
+    :class:`~mlx_dq.settings.DistillSettings` fields, or the settings) distils the quantized scales and
+    biases against the source before the folder is published (:func:`mlx_dq.distill.distill_model`;
+    calibration text and seed default to this conversion's). Returns the manifest.
     """
     t_start = time.perf_counter()
     job = _prepare(model, out_dir, plan, measurement, force, options)
+    job.distill = distill_settings(distill, job.q)
     meas_path = job.out.parent / f".{job.out.name}.measurement.json"
     mkw = {**job.q.measure_defaults(), **(measure_kwargs or {})}
     if dist.is_root() or (plan is None and measurement is None):  # measuring takes every rank
@@ -182,10 +188,48 @@ def convert(
             pass
         return dist.broadcast(None)
     manifest = _write_folder(job, stream, texts, shard_bytes, force, t_start, command, card_ref,
-                             measurement if isinstance(measurement, (str, Path)) else None, out_dir)
+                             measurement if isinstance(measurement, (str, Path)) else None, out_dir, progress)
     meas_path.unlink(missing_ok=True)
     Path(str(meas_path) + ".state.safetensors").unlink(missing_ok=True)
     return dist.broadcast(manifest)
+
+
+def distill_settings(distill: bool | dict | DistillSettings | None, q: QuantizeSettings) -> DistillSettings | None:
+    """What ``convert(distill=...)`` asks for: None (no distillation) or checked settings.
+
+    True or a dict start from :class:`~mlx_dq.settings.DistillSettings`' defaults with the conversion's
+    calibration text and seed; given settings are used as they are.
+    """
+    if distill is None or distill is False:
+        return None
+    if isinstance(distill, DistillSettings):
+        return distill.with_options()
+    base = DistillSettings(calib=q.calib, seed=q.seed)
+    if distill is True:
+        return base.with_options()
+    if isinstance(distill, dict):
+        return base.with_options(**distill)
+    raise TypeError(f"distill must be True, a dict of DistillSettings fields or DistillSettings, got {distill!r}")
+
+
+def _distill_partial(job: _Job, tmp: Path, manifest: dict, progress: bool) -> dict:
+    """Distil the complete (unpublished) folder ``tmp`` in place against the source; return its new manifest."""
+    from .distill import distill_model, store_in_place
+    from .loader import load as dq_load
+    from .sources import load_model
+
+    d = job.distill
+    t0 = time.perf_counter()
+    texts, tokens = calib_mod.calibration_rows(job.source.tokenizer(), d.calib, d.rows, d.seq_len, d.seed)
+    base, _, _ = load_model(job.source.spec, dtype=mx.float32)
+    base.eval()
+    model, _ = dq_load(tmp)
+    updates, core = distill_model(model, base, tokens, d, progress=progress)
+    del model, base
+    record = {"source": job.source.spec, "input": "this conversion",
+              "settings": {**d.as_dict(), "calib": str(d.calib) if d.calib else "default"},
+              "text_digest": calib_mod.text_digest(texts), **core, "seconds": round(time.perf_counter() - t0, 2)}
+    return store_in_place(tmp, updates, record) or manifest
 
 
 def _prepare(model: str, out_dir: str | Path, plan: Any, measurement: Any, force: bool, options: dict) -> _Job:
@@ -226,7 +270,8 @@ def _prepare(model: str, out_dir: str | Path, plan: Any, measurement: Any, force
 
 
 def _write_folder(job: _Job, stream: Any, texts: Any, shard_bytes: int, force: bool, t_start: float,
-                  command: str | None, card_ref: str | None, measurement_file: Any, out_dir: Any) -> dict:
+                  command: str | None, card_ref: str | None, measurement_file: Any, out_dir: Any,
+                  progress: bool = True) -> dict:
     """Write the quantized stream, config, plan, measurement, manifest and card into a partial folder; publish it."""
     q, p, source, dtype = job.q, job.p, job.source, job.dtype
     tmp = prepare_output(job.out, force)
@@ -255,6 +300,8 @@ def _write_folder(job: _Job, stream: Any, texts: Any, shard_bytes: int, force: b
         manifest["provenance"]["command"] = command
         manifest["provenance"]["checks"] = job.notes
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        if job.distill is not None:  # the folder is complete but not yet published: distil it in place
+            manifest = _distill_partial(job, tmp, manifest, progress)
         write_card(tmp, manifest, name=Path(card_ref or job.out.resolve()).name, ref=card_ref or str(out_dir),
                    metadata=source_metadata(source), command=command)
         publish(tmp, job.out)

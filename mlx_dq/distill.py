@@ -313,6 +313,55 @@ def _check_same_model(teacher_cfg: dict, student_cfg: dict, source: str) -> None
             raise ValueError(f"the source {source} is not the quantized model's source: {key} {a} != {b}")
 
 
+def _refresh_manifest(folder: Path, files: list[Path], record: dict) -> dict | None:
+    """Update ``folder``'s manifest for distilled weights: file digests and sizes, ``provenance.distill``."""
+    if not (folder / MANIFEST_NAME).exists():
+        return None
+    from .formats.common import file_digest
+
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest.pop("results", None)  # measured on the model before distillation
+    manifest["files"] = [{"name": p.name, "bytes": p.stat().st_size, "sha256": file_digest(p)}
+                         for p in sorted(files)]
+    manifest["accounting"]["weights_on_disk_bytes"] = int(sum(p.stat().st_size for p in files))
+    manifest["provenance"]["distill"] = record
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _replace_arrays(arrays: dict[str, mx.array], updates: dict[str, mx.array], seen: set[str]) -> bool:
+    changed = False
+    for k in list(arrays):
+        if k in updates:
+            if updates[k].shape != arrays[k].shape or updates[k].dtype != arrays[k].dtype:
+                raise ValueError(f"trained {k} has shape/dtype {updates[k].shape}/{updates[k].dtype}, "
+                                 f"stored {arrays[k].shape}/{arrays[k].dtype}")
+            arrays[k] = updates[k]
+            seen.add(k)
+            changed = True
+    return changed
+
+
+def store_in_place(folder: Path, updates: dict[str, mx.array], record: dict) -> dict | None:
+    """Write ``updates`` into ``folder``'s weight files (same names, shapes, dtypes) and refresh its manifest.
+
+    For a folder that is not yet published (the converter's partial folder): each changed file is
+    written beside itself and renamed over it. Returns the refreshed manifest (None without one).
+    """
+    weights, seen = _weight_files(folder), set()
+    for f in weights:
+        arrays = mx.load(str(f))
+        if _replace_arrays(arrays, updates, seen):
+            mx.eval(arrays)
+            tmp = f.with_name(f".{f.stem}.tmp.safetensors")
+            mx.save_safetensors(str(tmp), arrays, metadata={"format": "mlx"})
+            tmp.replace(f)
+    missing = sorted(set(updates) - seen)
+    if missing:
+        raise ValueError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
+    return _refresh_manifest(folder, weights, record)
+
+
 def _write(folder: Path, out: Path, updates: dict[str, mx.array], record: dict, force: bool,
            shard_bytes: int) -> dict | None:
     """Copy ``folder`` into a partial sibling of ``out`` with ``updates`` replacing stored arrays; publish it."""
@@ -323,37 +372,76 @@ def _write(folder: Path, out: Path, updates: dict[str, mx.array], record: dict, 
             if f.is_file() and f not in weights and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, tmp / f.name)
         writer = ShardWriter(tmp, shard_bytes)
-        seen = set()
+        seen: set[str] = set()
         for f in weights:
             arrays = mx.load(str(f))
-            for k in list(arrays):
-                if k in updates:
-                    if updates[k].shape != arrays[k].shape or updates[k].dtype != arrays[k].dtype:
-                        raise ValueError(f"trained {k} has shape/dtype {updates[k].shape}/{updates[k].dtype}, "
-                                         f"stored {arrays[k].shape}/{arrays[k].dtype}")
-                    arrays[k] = updates[k]
-                    seen.add(k)
+            _replace_arrays(arrays, updates, seen)
             writer.add(arrays)
         missing = sorted(set(updates) - seen)
         if missing:
             raise ValueError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
         files = writer.close()
-        manifest = None
-        if (tmp / MANIFEST_NAME).exists():
-            from .formats.common import file_digest
-
-            manifest = json.loads((tmp / MANIFEST_NAME).read_text())
-            manifest.pop("results", None)  # measured on the model before distillation
-            manifest["files"] = [{"name": p.name, "bytes": p.stat().st_size, "sha256": file_digest(p)}
-                                 for p in sorted(files)]
-            manifest["accounting"]["weights_on_disk_bytes"] = int(sum(p.stat().st_size for p in files))
-            manifest["provenance"]["distill"] = record
-            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+        manifest = _refresh_manifest(tmp, files, record)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _put_back(model: nn.Module, layers: dict[str, tuple[nn.Module, str]], dtypes: dict[str, Any]) -> None:
+    """Undo :func:`make_student`: the original quantized layers back in place, every other array in its dtype."""
+    for p, (m, _) in layers.items():
+        _set_module(model, p, m)
+    model.load_weights([(k, v.astype(dtypes[k])) for k, v in tree_flatten(model.parameters())
+                        if k in dtypes and v.dtype != dtypes[k]], strict=False)
+
+
+def distill_model(model: nn.Module, base: nn.Module, tokens: mx.array, settings: DistillSettings | None = None,
+                  *, progress: bool = True, say: Callable[[str], None] | None = None
+                  ) -> tuple[dict[str, mx.array], dict]:
+    """Distil the loaded quantized ``model``'s scales and biases against ``base`` on ``tokens``, in memory.
+
+    ``model`` ends with its own layers and dtypes and the trained values in place (as they would be
+    stored). Returns the trained arrays by their stored names (in their stored dtypes) and the record:
+    layers, trained values, norms, KL on ``tokens`` before and after, per-step losses and training time.
+    Only ``settings``' steps, batch_size, lr, seed, temperature and train_norms apply here: ``tokens`` are the rows.
+    """
+    s = settings or DistillSettings()
+    say = say or (lambda m: tqdm.write(m))
+    layers = quantized_layers(model)
+    dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+    student, norms = make_student(model, s.train_norms)
+    n_train = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    say(f"distilling {len(student)} quantized layers ({n_train:,} trained values"
+        f"{f', {len(norms)} norms' if norms else ''}) on {tokens.shape[0]} x {tokens.shape[1]} calibration tokens, "
+        f"{s.steps} steps")
+    teacher = _Teacher(base, tokens, s.temperature, TEACHER_CACHE_BYTES)
+    try:
+        kl_before = mean_kl(model, teacher, tokens, s.temperature)
+        say(f"KL on the training rows before: {kl_before:.5f}")
+        log = train(model, teacher, tokens, s, progress=progress, say=say)
+        updates: dict[str, mx.array] = {}
+        for p, t in student.items():
+            updates.update({f"{p}.{k}": v for k, v in t.trained().items()})
+        mods = dict(model.named_modules())
+        for p in norms:
+            updates[f"{p}.weight"] = mods[p]["weight"].astype(dtypes[f"{p}.weight"])
+        mx.eval(updates)
+    finally:
+        _put_back(model, layers, dtypes)
+    model.load_weights(list(updates.items()), strict=False)
+    # the KL after, with the values exactly as stored (16-bit scales and biases), through the same float32 path
+    make_student(model)
+    try:
+        kl_after = mean_kl(model, teacher, tokens, s.temperature)
+    finally:
+        _put_back(model, layers, dtypes)
+    say(f"KL on the training rows after: {kl_after:.5f}")
+    record = {"layers": len(student), "trained_values": int(n_train), "norms": norms,
+              "kl_train_before": kl_before, "kl_train_after": kl_after,
+              "losses": [round(v, 6) for v in log["losses"]], "train_seconds": round(log["seconds"], 2)}
+    return updates, record
 
 
 def distill(
@@ -382,7 +470,7 @@ def distill(
     from .sources import load_model, resolve
 
     s = (settings or DistillSettings()).with_options(**options)
-    calib, rows, seq_len, seed, steps, temperature = s.calib, s.rows, s.seq_len, s.seed, s.steps, s.temperature
+    calib, rows, seq_len, seed = s.calib, s.rows, s.seq_len, s.seed
     say = say or (lambda m: tqdm.write(m))
     folder, out = Path(quantized_folder), Path(out_folder)
     q_config = _read_config(folder)
@@ -398,50 +486,14 @@ def distill(
     base, _, _ = load_model(spec, dtype=mx.float32)
     base.eval()
     model, _ = dq_load(folder)
-    student, norms = make_student(model, s.train_norms)
-    n_train = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    say(f"distilling {len(student)} quantized layers ({n_train:,} trained values"
-        f"{f', {len(norms)} norms' if norms else ''}) on {rows} x {seq_len} calibration tokens, {steps} steps")
-    teacher = _Teacher(base, tokens, temperature, TEACHER_CACHE_BYTES)
-    kl_before = mean_kl(model, teacher, tokens, temperature)
-    say(f"KL on the training rows before: {kl_before:.5f}")
-    log = train(model, teacher, tokens, s, progress=progress, say=say)
-    updates: dict[str, mx.array] = {}
-    for p, t in student.items():
-        updates.update({f"{p}.{k}": v for k, v in t.trained().items()})
-    mods = dict(model.named_modules())
-    norm_dtypes = _stored_dtypes(folder, [f"{p}.weight" for p in norms])
-    for p in norms:
-        updates[f"{p}.weight"] = mods[p]["weight"].astype(norm_dtypes[f"{p}.weight"])
-    mx.eval(updates)
-    # the KL after, with the values exactly as stored (16-bit scales and biases)
-    final, _ = dq_load(folder)
-    final.load_weights(list(updates.items()), strict=False)
-    _, _ = make_student(final)
-    kl_after = mean_kl(final, teacher, tokens, temperature)
-    say(f"KL on the training rows after: {kl_after:.5f}")
+    updates, core = distill_model(model, base, tokens, s, progress=progress, say=say)
     record = {
         "source": spec, "input": str(folder), "settings": {**s.as_dict(), "calib": str(calib) if calib else "default"},
-        "text_digest": calib_mod.text_digest(texts), "layers": len(student), "trained_values": int(n_train),
-        "norms": norms, "kl_train_before": kl_before, "kl_train_after": kl_after,
-        "losses": [round(v, 6) for v in log["losses"]], "train_seconds": round(log["seconds"], 2),
-        "seconds": round(time.perf_counter() - t_start, 2),
+        "text_digest": calib_mod.text_digest(texts), **core, "seconds": round(time.perf_counter() - t_start, 2),
     }
     _write(folder, out, updates, record, force, shard_bytes)
     return record
 
 
-def _stored_dtypes(folder: Path, keys: list[str]) -> dict[str, Any]:
-    if not keys:
-        return {}
-    want, out = set(keys), {}
-    for f in _weight_files(folder):
-        arrays = mx.load(str(f))
-        out.update({k: arrays[k].dtype for k in want & set(arrays)})
-    missing = want - set(out)
-    if missing:
-        raise ValueError(f"norm weights not stored in {folder}: {', '.join(sorted(missing)[:4])}")
-    return out
-
-
-__all__ = ["DistillSettings", "distill", "kl_loss", "make_student", "mean_kl", "quantized_layers", "train"]
+__all__ = ["DistillSettings", "distill", "distill_model", "kl_loss", "make_student", "mean_kl", "quantized_layers",
+           "store_in_place", "train"]

@@ -42,6 +42,7 @@ class Estimate:
     disk_bytes: int = 0
     flops: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
+    factor: float = TIME_FACTOR  # real / matmul-bound seconds assumed for this kind of run
 
     def lines(self) -> list[str]:
         """Human-readable summary, one fact a line."""
@@ -49,7 +50,8 @@ class Estimate:
             f"{self.what}: {self.macs / 1e12:.2f} T multiply-adds"
             + (f", {self.measurements} (tensor, option) errors" if self.measurements else ""),
             f"  time: about {format_seconds(self.seconds)} at {self.flops / 1e9:.1f} GFLOP/s float32 matmul "
-            f"(x{TIME_FACTOR:g} for the quantizers' own overhead)",
+            f"(x{self.factor:g} for " + ("the quantizers' own overhead)" if self.factor == TIME_FACTOR
+                                         else "autograd and dequantizing)"),
             f"  peak memory: about {self.peak_bytes / 2**30:.2f} GiB",
             f"  disk: about {self.disk_bytes / 2**20:.1f} MiB written",
         ]
@@ -215,6 +217,34 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
                    seconds=TIME_FACTOR * 2 * macs / f + FIXED_S + TENSOR_S * n_tensors, peak_bytes=peak, disk_bytes=int(disk), flops=f,
                    detail={"quantized_params": quant_params, "bpw": bits})
     return est, meas
+
+
+DISTILL_TIME_FACTOR = 1.5  # distillation: real / matmul-bound seconds (autograd, dequantizing every step)
+
+
+def estimate_distill(source: Any, *, rows: int, seq_len: int, steps: int, batch_size: int = 1,
+                     flops: float | None = None) -> Estimate:
+    """Predicted cost of distilling a quantized ``source`` (:func:`mlx_dq.distill.distill_model`), shapes only.
+
+    Each step is a forward and a backward pass (three times the forward's multiply-adds) through the
+    dequantized float32 weights; the source's log-probabilities and the KL before and after are one
+    forward pass over every row each. Peak memory: the float32 source and student, Adam's two moments
+    of the trained scales and biases, and the cached source log-probabilities.
+    """
+    params = _all_params(source)
+    total = sum(_numel(s) for _, s in params)
+    layers, other, hidden = _shapes(source)
+    vocab = max((s[0] for _, s in other), default=0)
+    f = flops or matmul_flops()
+    macs = 3.0 * steps * batch_size * (seq_len - 1) * total + 3.0 * rows * (seq_len - 1) * total
+    from .distill import TEACHER_CACHE_BYTES
+
+    cache = rows * (seq_len - 1) * vocab * 4
+    peak = BASE_RSS + 3 * 4 * total + min(cache, TEACHER_CACHE_BYTES) \
+        + 4 * 4 * batch_size * seq_len * max(vocab, hidden)
+    return Estimate(f"distill ({steps} steps, {rows} x {seq_len} tokens)", macs=macs,
+                    seconds=DISTILL_TIME_FACTOR * 2 * macs / f + FIXED_S, peak_bytes=int(peak), disk_bytes=0, flops=f,
+                    detail={"params": total}, factor=DISTILL_TIME_FACTOR)
 
 
 def _all_params(source: Any) -> list[tuple[str, tuple[int, ...]]]:

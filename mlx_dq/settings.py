@@ -161,8 +161,8 @@ class DistillSettings(CalibSettings):
     """What one distillation run does: its calibration rows, steps, optimizer and what it trains."""
 
     rows: int = 16
-    seq_len: int = 256
-    steps: int = 64
+    seq_len: int = 128
+    steps: int = 40
     batch_size: int = 1
     lr: float = 1e-4
     temperature: float = 1.0

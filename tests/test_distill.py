@@ -195,3 +195,99 @@ def test_cli_defaults_are_the_settings_defaults():
     s = DistillSettings()
     for name in DistillSettings.names():
         assert params[name] == getattr(s, name), name
+
+
+# --------------------------------------------------------------------------
+# convert --distill: the same training inside the conversion, before the folder is published
+# --------------------------------------------------------------------------
+CONVERT = {"method": "rtn", "rows": 4, "seq_len": 32, "progress": False}
+DISTILL = {"rows": ROWS["rows"], "seq_len": ROWS["seq_len"], "steps": 30, "lr": 1e-3}
+
+
+def _llama_recipe(tiny_llama: Path) -> dict[str, str]:
+    return _recipe(tiny_llama, lambda p: MIXED if "layers.1" in p or "embed" in p else "1.0:3b_64g")
+
+
+def test_convert_distill_trains_scales_keeps_codes_and_records_it(tiny_llama, llama_q, tmp_path):
+    out = tmp_path / "cd"
+    manifest = mlx_dq.convert(str(tiny_llama), out, plan=_llama_recipe(tiny_llama), distill=DISTILL, **CONVERT)
+    rec = manifest["provenance"]["distill"]
+    assert rec["settings"]["steps"] == 30 and rec["settings"]["seq_len"] == ROWS["seq_len"]
+    assert json.loads((out / "mlx_dq.json").read_text())["provenance"]["distill"]["kl_train_after"] \
+        == rec["kl_train_after"]
+    before, after = _train_kl(tiny_llama, llama_q), _train_kl(tiny_llama, out)  # llama_q: the same conversion
+    assert after < 0.8 * before, (before, after)
+    assert rec["kl_train_before"] == pytest.approx(before, rel=1e-3)
+    assert rec["kl_train_after"] == pytest.approx(after, rel=1e-3)
+    a, b = _arrays(llama_q), _arrays(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        if k.rsplit(".", 1)[-1].startswith(("weight", "perm")):
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert not np.array_equal(a["model.layers.1.mlp.down_proj.scales_1"], b["model.layers.1.mlp.down_proj.scales_1"])
+    card = (out / "README.md").read_text()
+    assert "**Distillation:**" in card and "30 Adam steps" in card
+    listed = {f["name"]: f["bytes"] for f in manifest["files"]}
+    assert listed == {p.name: p.stat().st_size for p in out.glob("*.safetensors")}
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cd"]  # no partial folder left beside it
+
+
+def test_convert_distill_failure_leaves_nothing_that_looks_complete(tiny_llama, tmp_path, monkeypatch):
+    from mlx_dq import distill as distill_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stopped while distilling")
+
+    monkeypatch.setattr(distill_mod, "distill_model", broken)
+    out = tmp_path / "cd"
+    with pytest.raises(RuntimeError, match="stopped while distilling"):
+        convert(str(tiny_llama), out, plan=_llama_recipe(tiny_llama), distill=True, **CONVERT)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_distill_settings_are_checked_first(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="steps"):
+        convert(str(tiny_llama), tmp_path / "o", plan=_llama_recipe(tiny_llama), distill={"steps": 0}, **CONVERT)
+    with pytest.raises(TypeError, match="no option"):
+        convert(str(tiny_llama), tmp_path / "o", plan=_llama_recipe(tiny_llama), distill={"stepz": 3}, **CONVERT)
+    assert not (tmp_path / "o").exists()
+
+
+def _convert_cli(*args: str):
+    return CliRunner().invoke(main, ["convert", *args])
+
+
+@pytest.mark.parametrize("flag", [["--distill-steps", "3"], ["--distill-rows", "2"], ["--distill-seq-len", "16"],
+                                  ["--distill-lr", "0.01"]])
+def test_convert_distill_options_without_distill_are_refused(tiny_llama, tmp_path, flag):
+    result = _convert_cli("--model", str(tiny_llama), "--bpw", "3.5", "-o", str(tmp_path / "o"), *flag)
+    assert result.exit_code != 0 and f"{flag[0]} would be ignored without --distill" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_convert_cli_distills_with_its_options(tiny_llama, llama_q, tmp_path):
+    out = tmp_path / "o"
+    result = _convert_cli("--model", str(tiny_llama), "--plan", str(llama_q / "plan.json"), "-o", str(out),
+                          "--method", "rtn",
+                          "--rows", "4", "--seq-len", "32", "--seed", "3", "--distill", "--distill-steps", "4",
+                          "--distill-rows", "3", "--distill-seq-len", "24", "--distill-lr", "0.002")
+    assert result.exit_code == 0, result.output
+    assert "distilled: KL on its 3 x 24 training tokens" in result.output
+    d = json.loads((out / "mlx_dq.json").read_text())["provenance"]["distill"]["settings"]
+    assert (d["steps"], d["rows"], d["seq_len"], d["lr"], d["seed"]) == (4, 3, 24, 0.002, 3)
+
+
+def test_convert_estimate_counts_the_distillation(tiny_llama, tmp_path):
+    args = ["--model", str(tiny_llama), "--bpw", "3.5", "-o", str(tmp_path / "o"), "--estimate", "--flops", "1e7"]
+    plain = _convert_cli(*args)
+    with_d = _convert_cli(*args, "--distill", "--distill-steps", "7", "--distill-seq-len", "40")
+    assert plain.exit_code == 0 and with_d.exit_code == 0, with_d.output
+    assert "distill" not in plain.output
+    assert "distill (7 steps, 16 x 40 tokens)" in with_d.output
+
+    def total(text: str) -> float:
+        return float(text.split("total: about ", 1)[1].split(" min", 1)[0])  # minutes
+
+    assert total(with_d.output) > total(plain.output)
+    assert not (tmp_path / "o").exists()

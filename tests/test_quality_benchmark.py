@@ -130,3 +130,41 @@ def test_goal_summary_orders_texts_worst_first(quality):
     assert body[1].endswith("| yes |") and "mlx-lm AWQ" in body[1]  # 0.2 <= the better calibrated row, 0.22
     assert quality.goal_summary([_row("t", "mlx-lm uniform", "mlx-lm 4-bit g64", 4.5, 0.4)])[-1].endswith("not run |")
     assert quality.goal_summary([]) == []
+
+
+def test_distilled_rows_join_the_goals_beside_the_undistilled_ones(quality):
+    plain = _rows(0.5, 0.2, 0.4, 0.25, 0.22)
+    assert all(g["family"] != quality.DISTILL_FAMILY for g in quality.goal_status(plain))  # not run: not shown
+    rows = plain + [_row("t", quality.DISTILL_FAMILY, f"{quality.DISTILL_FAMILY} @3.5", 3.5, 0.36)]
+    status = {(g["target"], g["family"]): g for g in quality.goal_status(rows)}
+    assert status[(3.5, "mlx-dq")]["met"] is False and status[(3.5, quality.DISTILL_FAMILY)]["met"] is True
+    assert (4.0, quality.DISTILL_FAMILY) not in status  # no distilled row at 4.0
+    body = [ln for ln in quality.goal_summary(rows) if ln.startswith("| t |")]
+    assert [ln.split(" | ")[2] for ln in body] == ["mlx-dq @3.5", f"{quality.DISTILL_FAMILY} @3.5", "mlx-dq @4"]
+    assert quality.worst_text(rows) == "t"
+
+
+def test_distilled_row_is_built_and_scored_on_each_text(quality, tiny_llama, tmp_path):
+    out = tmp_path / "q"
+    args = ["--model", str(tiny_llama), "--texts", "pydoc,dialog", "--rows", "2", "--seq-len", "32",
+            "--batch-size", "2", "--bpw", "4", "--rtn-targets", "", "--dq-modes", "mixed", "--dq-calib-rows", "4",
+            "--dq-calib-seq-len", "32", "--dq-measure-method", "rtn", "--dq-grid", "fast", "--only", "mlx-dq",
+            "--distill-targets", "4", "--distill-steps", "3", "--distill-rows", "2", "--distill-seq-len", "16",
+            "--out", str(out)]
+    result = CliRunner().invoke(quality.main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    with (out / "quality.csv").open() as f:
+        by = {(r["text"], r["method"]): r for r in csv.DictReader(f)}
+    name = f"{quality.DISTILL_FAMILY} @4"
+    for text in ("pydoc", "dialog"):
+        d, p = by[(text, name)], by[(text, "mlx-dq @4")]
+        assert d["family"] == quality.DISTILL_FAMILY and d["bpw"] == p["bpw"]  # same codes, same bits
+        assert d["kl"] != p["kl"] and "3 steps, 2 x 16" in d["notes"]
+    assert "distilled in" in result.output
+    md = (out / "quality.md").read_text()
+    assert f"| {name} |" in md.split("## Text: ", 1)[0]  # in the goal summary
+
+
+def test_distill_options_need_distill_targets(quality, tmp_path):
+    result = CliRunner().invoke(quality.main, ["--distill-steps", "3", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--distill-steps apply to distilled rows only" in result.output
