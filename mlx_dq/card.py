@@ -307,3 +307,18 @@ def update_card(folder: str | Path, manifest: dict, *, ref: str | None = None) -
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def note_distillation(folder: str | Path, manifest: dict) -> None:
+    """Put the distillation line of ``manifest`` into ``folder``'s card (after its quantization line), if both exist."""
+    path = Path(folder) / CARD_NAME
+    rec = manifest.get("provenance", {}).get("distill")
+    if not rec or not path.is_file():
+        return
+    lines = [ln for ln in path.read_text(encoding="utf-8").split("\n") if not ln.startswith("- **Distillation:**")]
+    at = next((i + 1 for i, ln in enumerate(lines) if ln.startswith("- **Quantization:**")), None)
+    if at is None:
+        return
+    lines.insert(at, _distill_line(rec))
+    path.write_text("\n".join(lines), encoding="utf-8")
+

@@ -449,14 +449,8 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             QuantOption.parse(head_option)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--head-option") from None
-    d_given = {k: v for k, v in (("rows", distill_rows), ("seq_len", distill_seq_len), ("steps", distill_steps),
-                                 ("lr", distill_lr)) if v is not None}
-    if d_given and not distill:
-        raise click.UsageError(", ".join(f"--distill-{k.replace('_', '-')}" for k in d_given)
-                               + " would be ignored without --distill")
-    d_settings = None
-    if distill:
-        d_settings = DistillSettings(calib=calib, seed=seed).with_options(**d_given)
+    d_settings = _distill_settings(distill, calib, seed, rows=distill_rows, seq_len=distill_seq_len,
+                                   steps=distill_steps, lr=distill_lr)
     if estimate:
         _print_estimate(model_spec, flops, "convert", bpw=bpw, rows=rows, seq_len=seq_len, method=method,
                         measure_first=measurement is None and plan_path is None,
@@ -488,14 +482,19 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
     click.echo(f"wrote {output}: {acc['average_bits_all']:.4f} bpw whole model (all quantizable tensors), "
                f"{planned} bpw planned budget tensors, {acc['weights_on_disk_bytes'] / 2**20:.1f} MiB of weights, "
                f"{manifest['provenance']['quantization_seconds']:.0f} s")
-    drec = manifest["provenance"].get("distill")
-    if drec:
-        click.echo(f"distilled: KL on its {drec['settings']['rows']} x {drec['settings']['seq_len']} training tokens "
-                   f"{drec['kl_train_before']:.5f} -> {drec['kl_train_after']:.5f} ({drec['seconds']:.0f} s)")
-    _convert_notes(output)
+    _convert_notes(output, manifest)
     click.echo(f"load with: {manifest['loading']}")
     if upload_repo is not None:
         _upload(output, upload_repo, private=False, after_convert=True)
+
+
+def _distill_settings(distill: bool, calib: str | None, seed: int, **given: Any) -> DistillSettings | None:
+    """convert's --distill and --distill-* options as settings (None without --distill; its options then refused)."""
+    given = {k: v for k, v in given.items() if v is not None}
+    if given and not distill:
+        raise click.UsageError(", ".join(f"--distill-{k.replace('_', '-')}" for k in given)
+                               + " would be ignored without --distill")
+    return DistillSettings(calib=calib, seed=seed).with_options(**given) if distill else None
 
 
 @main.command(context_settings=CONTEXT)
@@ -633,12 +632,16 @@ def _write_csv(rows: list[dict], path: str) -> None:
     write_text_atomic(write, path)
 
 
-def _convert_notes(output: str) -> None:
-    """After convert: what an imported plan could not map, and where an unmeasured embedding/head stands."""
+def _convert_notes(output: str, manifest: dict | None = None) -> None:
+    """After convert: the distillation's result, what an imported plan could not map, where the head stands."""
     from mlx_dq.formats.common import import_summary
     from mlx_dq.formats.exl2 import head_note
     from mlx_dq.optimize import load_plan
 
+    drec = (manifest or {}).get("provenance", {}).get("distill")
+    if drec:
+        click.echo(f"distilled: KL on its {drec['settings']['rows']} x {drec['settings']['seq_len']} training tokens "
+                   f"{drec['kl_train_before']:.5f} -> {drec['kl_train_after']:.5f} ({drec['seconds']:.0f} s)")
     try:
         plan = load_plan(Path(output) / "plan.json")
     except ValueError:

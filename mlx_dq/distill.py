@@ -39,10 +39,9 @@ from . import kernels
 from .loader import _set_module
 from .estimate import format_seconds
 from .names import MANIFEST_NAME
-from .settings import DistillSettings
+from .settings import TEACHER_CACHE_BYTES, DistillSettings
 from .writer import DEFAULT_SHARD_BYTES, ShardWriter, prepare_output, publish
 
-TEACHER_CACHE_BYTES = 2 << 30  # the source's log-probabilities are kept in memory up to this size, else recomputed
 
 
 # --------------------------------------------------------------------------
@@ -298,9 +297,10 @@ def _weight_files(folder: Path) -> list[Path]:
 def _source_spec(folder: Path, source: str | None) -> str:
     if source is not None:
         return str(source)
-    from .evaluate import manifest_base
+    from .writer import read_manifest
 
-    spec = manifest_base(folder) if (folder / MANIFEST_NAME).exists() else None
+    manifest = read_manifest(folder, missing_ok=True) or {}
+    spec = (manifest.get("provenance", {}).get("source") or {}).get("spec")
     if not spec:
         raise ValueError(f"{folder} does not record its source model: give the source (--model)")
     return spec
@@ -382,6 +382,10 @@ def _write(folder: Path, out: Path, updates: dict[str, mx.array], record: dict, 
             raise ValueError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
         files = writer.close()
         manifest = _refresh_manifest(tmp, files, record)
+        if manifest is not None:
+            from .card import note_distillation
+
+            note_distillation(tmp, manifest)
         publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -237,7 +237,7 @@ def estimate_distill(source: Any, *, rows: int, seq_len: int, steps: int, batch_
     vocab = max((s[0] for _, s in other), default=0)
     f = flops or matmul_flops()
     macs = 3.0 * steps * batch_size * (seq_len - 1) * total + 3.0 * rows * (seq_len - 1) * total
-    from .distill import TEACHER_CACHE_BYTES
+    from .settings import TEACHER_CACHE_BYTES
 
     cache = rows * (seq_len - 1) * vocab * 4
     peak = BASE_RSS + 3 * 4 * total + min(cache, TEACHER_CACHE_BYTES) \

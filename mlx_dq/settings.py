@@ -21,6 +21,7 @@ IMPORTANCE_MODES = ("residual", "kl", "none")
 EXPERT_MODES = ("per_expert", "shared")
 DTYPES = ("float16", "bfloat16", "auto")
 HEAD_CHUNK = 128  # positions per head call: logits are [chunk, vocab] float32, never [calibration tokens, vocab]
+TEACHER_CACHE_BYTES = 2 << 30  # distillation keeps the source's log-probabilities in memory up to this, else recomputes
 
 
 class _Settings:

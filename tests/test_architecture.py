@@ -36,12 +36,12 @@ PIPELINE_ORDER = [
     "mlx_dq.formats.dynquant", "mlx_dq.formats.mlx_kept16",
     # the output folder, reading it back, the formats dispatch
     "mlx_dq.writer", "mlx_dq.report", "mlx_dq.formats", "mlx_dq.plans", "mlx_dq.card", "mlx_dq.hub",
+    # estimating; distilling a quantized model's scales and biases (a stage of its own and a step of convert)
+    "mlx_dq.estimate", "mlx_dq.distill",
     # converting, and the Python API
     "mlx_dq.convert", "mlx_dq.api",
-    # evaluating, estimating, plotting
-    "mlx_dq.evaluate", "mlx_dq.estimate", "mlx_dq.plots",
-    # distilling a quantized folder's scales and biases
-    "mlx_dq.distill",
+    # evaluating, plotting
+    "mlx_dq.evaluate", "mlx_dq.plots",
     # the command line and the package facade
     "mlx_dq.cli", "mlx_dq.__main__", "mlx_dq",
     # a standalone script that composes the calibration text

@@ -105,6 +105,9 @@ def test_output_loads_and_generates_like_the_input(llama_q, llama_dq):
     np.testing.assert_allclose(np.array(remote(ids)), np.array(model(ids)), rtol=1e-5, atol=1e-5)
     result = CliRunner().invoke(main, ["verify", str(out)])
     assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    assert card.count("- **Distillation:** ") == 1 and f"{TRAIN['steps']} Adam steps" in card
+    assert "**Distillation:**" not in (llama_q / "README.md").read_text()
 
 
 def test_same_seed_same_folder_other_seed_other_folder(tiny_llama, llama_q, llama_dq, tmp_path):
