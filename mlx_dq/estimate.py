@@ -219,7 +219,9 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
     return est, meas
 
 
-DISTILL_TIME_FACTOR = 1.5  # distillation: real / matmul-bound seconds (autograd, dequantizing every step)
+# distillation: real / matmul-bound seconds (autograd, dequantizing every step). SmolLM2-135M, 1 x 128 tokens a
+# step: 2.1 s matmul-bound at 49 GFLOP/s, 13.6 s observed on a 2-core CPU shared with other jobs (about half of it)
+DISTILL_TIME_FACTOR = 3.0
 
 
 def estimate_distill(source: Any, *, rows: int, seq_len: int, steps: int, batch_size: int = 1,
