@@ -226,8 +226,6 @@ def refine_group_params(
     best_err = _candidate_error_only(w, wt, best_s, best_b, n_bins)
     s32, b32 = best_s.astype(mx.float32), best_b.astype(mx.float32)
     centre = b32 + s32 * n_bins / 2
-    cands = [(s32, b32 + t * s32) for t in shifts]
-    cands += [(s32 * f, centre - s32 * f * n_bins / 2) for f in rescales]
 
     def consider(s: mx.array, b: mx.array) -> None:
         nonlocal best_s, best_b, best_err
@@ -239,10 +237,24 @@ def refine_group_params(
         best_s, best_b = mx.where(better, s16, best_s), mx.where(better, b16, best_b)
         best_err = mx.where(better, err, best_err)
 
-    # the candidates only update per-group parameters, so one evaluation covers them all; the codes
-    # of the best parameters (the refits' input) are recomputed from them when needed
-    for s, b in cands:
-        consider(s, b)
+    # the shifted and rescaled ranges, scored at once on a new leading axis; per group the first one with
+    # the least error replaces the input when strictly better (what considering them in turn would keep)
+    lead = (-1,) + (1,) * s32.ndim
+    t_axis = mx.array([float(t) for t in shifts], dtype=mx.float32).reshape(lead)
+    f_axis = mx.array([float(f) for f in rescales], dtype=mx.float32).reshape(lead)
+    if shifts or rescales:
+        cand_s = mx.concatenate([mx.broadcast_to(s32, (len(shifts),) + s32.shape), s32 * f_axis])
+        cand_b = mx.concatenate([b32 + t_axis * s32, centre - s32 * f_axis * n_bins / 2])
+        s16, b16 = cand_s.astype(mx.float16), cand_b.astype(mx.float16)
+        errs = _candidate_error_only(w[None], wt, s16, b16, n_bins)
+        errs = mx.where(mx.isfinite(s16) & mx.isfinite(b16) & ~mx.isnan(errs), errs, mx.inf)
+        least = errs.min(0)
+        pos = mx.arange(errs.shape[0], dtype=mx.int32).reshape(lead)
+        first = mx.where(errs == least, pos, errs.shape[0]).min(0, keepdims=True)
+        better = least < best_err
+        best_s = mx.where(better, mx.take_along_axis(s16, first, axis=0)[0], best_s)
+        best_b = mx.where(better, mx.take_along_axis(b16, first, axis=0)[0], best_b)
+        best_err = mx.where(better, least, best_err)
     mx.eval(best_s, best_b, best_err)
     for _ in range(refits):
         best_q = _candidate_error(w, wt, best_s, best_b, n_bins)[1]
