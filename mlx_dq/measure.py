@@ -1067,7 +1067,7 @@ def tensor_kl(
             hs.append(h)
         for r in range(int(tokens.shape[0])):  # the head's input Gram, chunk by chunk
             for sl in position_chunks(int(tokens.shape[1]), chunk):
-                mx.eval(head_logits(model, tokens[r:r + 1, sl], h[r:r + 1, sl]))
+                head_logits(model, tokens[r:r + 1, sl], h[r:r + 1, sl])  # records the input; logits never evaluated
                 col.flush()
     ref = _HeadKL(model, tokens, h, chunk)
     out = {}

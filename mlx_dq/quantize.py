@@ -310,8 +310,8 @@ def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, Quant
             if not share.runs(b):
                 continue
             h = hidden[sl]
-            for psl in position_chunks(int(tokens.shape[1])):  # logits never [calibration tokens, vocab]
-                mx.eval(head_logits(net, tokens[sl, psl], h[:, psl]))
+            for psl in position_chunks(int(tokens.shape[1])):
+                head_logits(net, tokens[sl, psl], h[:, psl])  # records the head's input; the logits are never evaluated
                 share.flush(col, b)
     dist.reduce_stats(col)
     part = StreamPart(_quantize_all(head_mods, col.stats, options, how))
