@@ -122,7 +122,7 @@ def _fitting(grid: dict, path: str, in_f: int) -> list:
 
 
 def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: Any = None, method: str = "gptq",
-                     importance_rows: int = 4, kl_scale: bool = True, sample_rows: int = 0,
+                     importance_rows: int = 4, kl_scale: bool = True, sample_rows: int | None = None,
                      flops: float | None = None) -> Estimate:
     """Predicted cost of :func:`mlx_dq.measure.measure` with these settings (shapes only)."""
     from .grids import load_grid
@@ -130,6 +130,10 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     from .runner import HEAD_CHUNK
 
     grid_map = grid if isinstance(grid, dict) else load_grid(grid)
+    if sample_rows is None:
+        from .settings import MeasureSettings
+
+        sample_rows = MeasureSettings.sample_rows
     layers, other, hidden = _shapes(source)
     tokens, imp = rows * seq_len, min(importance_rows, rows) * seq_len
     per_opt = 2 if method == "gptq" else 1  # GPTQ updates + exact error; rounding: the error only
@@ -198,7 +202,7 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         macs += 2 * tokens * params  # forward + Grams, then the sequential forward with quantized weights
         macs += sum(_numel(s) * s[-1] for _, s in tensors) * per_q
     vocab = max((s[0] for _, s in other), default=0)
-    macs += tokens * vocab * hidden + sum(_numel(s) * s[-1] for _, s in other) * per_q
+    macs += sum(_numel(s) * s[-1] for _, s in other) * per_q  # the head's Gram needs no logits
     quant_params += sum(_numel(s) for _, s in other)
     total_params = sum(_numel(s) for _, s in _all_params(source))
     bits = bpw if bpw is not None else 16.0

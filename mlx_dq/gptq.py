@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -225,8 +226,6 @@ def refine_group_params(
     best_err = _candidate_error_only(w, wt, best_s, best_b, n_bins)
     s32, b32 = best_s.astype(mx.float32), best_b.astype(mx.float32)
     centre = b32 + s32 * n_bins / 2
-    cands = [(s32, b32 + t * s32) for t in shifts]
-    cands += [(s32 * f, centre - s32 * f * n_bins / 2) for f in rescales]
 
     def consider(s: mx.array, b: mx.array) -> None:
         nonlocal best_s, best_b, best_err
@@ -238,10 +237,24 @@ def refine_group_params(
         best_s, best_b = mx.where(better, s16, best_s), mx.where(better, b16, best_b)
         best_err = mx.where(better, err, best_err)
 
-    # the candidates only update per-group parameters, so one evaluation covers them all; the codes
-    # of the best parameters (the refits' input) are recomputed from them when needed
-    for s, b in cands:
-        consider(s, b)
+    # the shifted and rescaled ranges, scored at once on a new leading axis; per group the first one with
+    # the least error replaces the input when strictly better (what considering them in turn would keep)
+    lead = (-1,) + (1,) * s32.ndim
+    t_axis = mx.array([float(t) for t in shifts], dtype=mx.float32).reshape(lead)
+    f_axis = mx.array([float(f) for f in rescales], dtype=mx.float32).reshape(lead)
+    if shifts or rescales:
+        cand_s = mx.concatenate([mx.broadcast_to(s32, (len(shifts),) + s32.shape), s32 * f_axis])
+        cand_b = mx.concatenate([b32 + t_axis * s32, centre - s32 * f_axis * n_bins / 2])
+        s16, b16 = cand_s.astype(mx.float16), cand_b.astype(mx.float16)
+        errs = _candidate_error_only(w[None], wt, s16, b16, n_bins)
+        errs = mx.where(mx.isfinite(s16) & mx.isfinite(b16) & ~mx.isnan(errs), errs, mx.inf)
+        least = errs.min(0)
+        pos = mx.arange(errs.shape[0], dtype=mx.int32).reshape(lead)
+        first = mx.where(errs == least, pos, errs.shape[0]).min(0, keepdims=True)
+        better = least < best_err
+        best_s = mx.where(better, mx.take_along_axis(s16, first, axis=0)[0], best_s)
+        best_b = mx.where(better, mx.take_along_axis(b16, first, axis=0)[0], best_b)
+        best_err = mx.where(better, least, best_err)
     mx.eval(best_s, best_b, best_err)
     for _ in range(refits):
         best_q = _candidate_error(w, wt, best_s, best_b, n_bins)[1]
@@ -293,7 +306,8 @@ class GPTQResult:
     the dequantized weight GPTQ compensated for (float32 of the fp16 values
     ``mx.dequantize`` yields); ``order`` original channel of each storage
     column; ``extra_damp`` damping added beyond the requested one;
-    ``clipped`` how many error-updated weights fell outside their group's range.
+    ``clipped`` how many error-updated weights fell outside their group's range
+    (per bank ``[B]`` when the banks are several options of one weight).
     """
 
     codes: np.ndarray
@@ -303,7 +317,7 @@ class GPTQResult:
     order: np.ndarray
     damp_abs: float
     extra_damp: float
-    clipped: int = 0
+    clipped: int | np.ndarray = 0
 
 
 def _group_layout(option: QuantOption, in_f: int) -> list[tuple[int, int, int]]:
@@ -316,10 +330,23 @@ def _group_layout(option: QuantOption, in_f: int) -> list[tuple[int, int, int]]:
     return groups
 
 
+def _shared_layout(options: Sequence[QuantOption], in_f: int) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+    """The group layout of the first option and every option's bits per group ``[len(options), G]``.
+
+    Options batched into one GPTQ pass must place their groups identically (only the widths may differ).
+    """
+    layouts = [_group_layout(o, in_f) for o in options]
+    starts = [(g0, gs) for g0, gs, _ in layouts[0]]
+    if any([(g0, gs) for g0, gs, _ in lay] != starts for lay in layouts[1:]):
+        raise ValueError("options quantized in one GPTQ pass need the same group layout: "
+                         + ", ".join(o.desc for o in options))
+    return layouts[0], np.array([[b for _, _, b in lay] for lay in layouts], dtype=np.int64)
+
+
 def gptq_core(
     w: np.ndarray,
     gram: np.ndarray,
-    option: QuantOption,
+    option: QuantOption | Sequence[QuantOption],
     order: np.ndarray,
     *,
     static_groups: bool,
@@ -342,6 +369,9 @@ def gptq_core(
     ``"gptq"`` (``1/[H^-1]_jj`` over the not-yet-quantized channels, the
     damage GPTQ's own objective assigns to that channel's error). ``factor``
     reuses a :func:`factor_hessian` result made for the same sequence and damping.
+    ``option`` may be a list with one option per bank (several options of one weight,
+    stacked on the bank axis, sharing one Gram matrix and group layout): each bank is
+    quantized exactly as alone, in one pass over the columns.
     """
     if scale_weight not in SCALE_WEIGHTS:
         raise ValueError(f"scale_weight must be one of {SCALE_WEIGHTS}, got {scale_weight!r}")
@@ -349,13 +379,16 @@ def gptq_core(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     w = np.asarray(w, dtype=np.float32)
     nb, rows, k = w.shape
-    groups = _group_layout(option, k)
+    options = [option] if isinstance(option, QuantOption) else list(option)
+    if len(options) > 1 and (len(options) != nb or gram.shape[0] != 1):
+        raise ValueError(f"{len(options)} options need as many banks ({nb} given) and one shared Gram matrix")
+    groups, g_bits = _shared_layout(options, k)  # g_bits [1 or B, G]
     gid = np.empty(k, dtype=np.int64)
     for i, (g0, gs, _) in enumerate(groups):
         gid[g0 : g0 + gs] = i
-    g_bits = np.array([b for _, _, b in groups])
-    q_max = (1 << g_bits) - 1
+    q_max = ((1 << g_bits) - 1).astype(np.float32)
     g_start = np.array([g0 for g0, _, _ in groups])
+    per_bank = len(options) > 1
 
     ws = w[:, :, order]  # storage order
     gram = np.asarray(gram, dtype=np.float32)
@@ -376,22 +409,25 @@ def gptq_core(
     scales = np.zeros((len(groups), nb, rows), dtype=np.float16)  # group-major: contiguous per column
     biases = np.zeros_like(scales)
 
-    def params_for(block: np.ndarray, first: int, count: int, gsz: int, bits: int) -> None:
-        # block: [B, R, count*gsz] storage columns starting at group index `first`
+    def params_for(block: np.ndarray, first: int, count: int, gsz: int) -> None:
+        # block: [B, R, count*gsz] storage columns starting at group index `first`; banks of one width per call
         wg = block.reshape(nb, rows, count, gsz)
         wt = energy[:, g_start[first] : g_start[first] + count * gsz].reshape(-1, 1, count, gsz)
-        s, b = choose_group_params(wg, bits, wt, clip=clip, weighted=weighted_scales)
-        scales[first : first + count] = s.transpose(2, 0, 1)
-        biases[first : first + count] = b.transpose(2, 0, 1)
+        widths = g_bits[:, first]
+        for bits in np.unique(widths):
+            banks = slice(None) if len(widths) == 1 else np.flatnonzero(widths == bits)
+            s, b = choose_group_params(wg[banks], int(bits), wt, clip=clip, weighted=weighted_scales)
+            scales[first : first + count, banks] = s.transpose(2, 0, 1)
+            biases[first : first + count, banks] = b.transpose(2, 0, 1)
 
     if static_groups:  # all groups from the original weights, one call per segment
         i = 0
         while i < len(groups):
             j = i
-            while j < len(groups) and groups[j][1:] == groups[i][1:]:
+            while j < len(groups) and groups[j][1] == groups[i][1] and np.array_equal(g_bits[:, j], g_bits[:, i]):
                 j += 1
-            g0, gsz, bits = groups[i]
-            params_for(ws[:, :, g0 : g0 + (j - i) * gsz], i, j - i, gsz, bits)
+            g0, gsz, _ = groups[i]
+            params_for(ws[:, :, g0 : g0 + (j - i) * gsz], i, j - i, gsz)
             i = j
 
     # blocks in processing order; without static groups they end on group boundaries
@@ -407,15 +443,15 @@ def gptq_core(
     codes = np.zeros((nb, k, rows), dtype=np.uint8)
     assumed = np.zeros((nb, k, rows), dtype=np.float32)
     sp_of = porder
-    clipped = 0
+    clipped = np.zeros(nb, dtype=np.int64) if per_bank else 0
     group_cache: dict[int, tuple] = {}  # float32 views of a group's final parameters, made once per group
 
     def group_params(g: int) -> tuple:
         if g not in group_cache:
             sg, bg = scales[g].astype(np.float32), biases[g].astype(np.float32)
             zero = sg == 0
-            group_cache[g] = (sg, bg, np.where(zero, np.float32(1.0), sg), zero if zero.any() else None,
-                              float(q_max[g]))
+            qm = q_max[:, g, None] if per_bank else float(q_max[0, g])  # per bank [B, 1]: float32 like the codes
+            group_cache[g] = (sg, bg, np.where(zero, np.float32(1.0), sg), zero if zero.any() else None, qm)
         return group_cache[g]
 
     widest = max(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
@@ -427,7 +463,7 @@ def gptq_core(
             g = int(gid[sp])
             if not static_groups and sp == g_start[g]:
                 gsz = groups[g][1]
-                params_for(wt_[:, p : p + gsz, :].transpose(0, 2, 1), g, 1, gsz, int(g_bits[g]))
+                params_for(wt_[:, p : p + gsz, :].transpose(0, 2, 1), g, 1, gsz)
             s, bi, safe, zero, qm = group_params(g)
             col = wt_[:, p, :]
             # same values as codes_f16 / dequant_f16, with the division done once and the parameters converted once
@@ -437,7 +473,7 @@ def gptq_core(
             if zero is not None:
                 q[zero] = 0.0
                 out &= ~zero
-            clipped += int(np.count_nonzero(out))
+            clipped += np.count_nonzero(out, axis=1) if per_bank else int(np.count_nonzero(out))
             dq = ((s * q).astype(np.float16).astype(np.float32) + bi).astype(np.float16).astype(np.float32)
             codes[:, sp, :] = q
             assumed[:, sp, :] = dq
@@ -491,26 +527,71 @@ def gptq_quantize(
     ``stats`` carry the settings, timing and (``error_stats``) the relative
     output error from ``gram`` and the weight error.
     """
-    t0 = time.perf_counter()
-    shape = tuple(int(d) for d in w.shape)
     if option.keep16:
         return quantize_weight(mx.array(w) if isinstance(w, np.ndarray) else w, option)
+    return gptq_quantize_many(w, [option], gram, damp=damp, block_size=block_size, act_order=act_order, clip=clip,
+                              weighted_scales=weighted_scales, scale_weight=scale_weight, error_stats=error_stats,
+                              factor_cache=factor_cache, natural_order=natural_order)[0]
+
+
+def batch_key(option: QuantOption, in_f: int, act_order: bool = True, natural_order: bool = False) -> tuple:
+    """Options with equal keys can share one GPTQ pass: same channel order, group sizes and group placement."""
+    kind = ("mixed", natural_order) if option.is_mixed else ("uniform", act_order)
+    return kind, tuple((g0, gs) for g0, gs, _ in _group_layout(option, in_f))
+
+
+def gptq_quantize_many(
+    w: mx.array | np.ndarray,
+    options: Sequence[QuantOption],
+    gram: mx.array | np.ndarray,
+    *,
+    damp: float = DEFAULT_DAMP,
+    block_size: int = 128,
+    act_order: bool = True,
+    clip: bool = True,
+    weighted_scales: bool = True,
+    scale_weight: str = "diag",
+    error_stats: bool = True,
+    factor_cache: dict | None = None,
+    natural_order: bool = False,
+) -> list[QuantizedTensor]:
+    """:func:`gptq_quantize` of one weight with several options of one :func:`batch_key`, in one pass.
+
+    The options are stacked on GPTQ's bank axis (one Hessian factor, one loop over
+    the columns), which saves the per-column and per-group overhead that dominates
+    small tensors; every result equals that of its own :func:`gptq_quantize` call.
+    A single option may be any option (expert banks included); several need a 2-D
+    weight (or a bank with one shared Hessian).
+    """
+    t0 = time.perf_counter()
+    shape = tuple(int(d) for d in w.shape)
+    options = list(options)
+    if not options or any(o.keep16 for o in options):
+        raise ValueError("gptq_quantize_many needs one or more quantized (not 16-bit) options")
     if gram is None:
         raise ValueError("gptq_quantize needs the Gram matrix X^T X of the tensor's inputs")
     wm = mx.array(w) if isinstance(w, np.ndarray) else w
     gm = mx.array(gram) if isinstance(gram, np.ndarray) else gram
     w3, g3 = _as_banks(wm, gm)
     in_f = shape[-1]
-    if not option.fits(in_f):
-        raise ValueError(f"option {option.desc} does not fit a tensor with {in_f} input channels")
+    for option in options:
+        if not option.fits(in_f):
+            raise ValueError(f"option {option.desc} does not fit a tensor with {in_f} input channels")
+    if len({batch_key(o, in_f, act_order, natural_order) for o in options}) > 1:
+        raise ValueError("options quantized in one GPTQ pass need the same channel order and group layout: "
+                         + ", ".join(o.desc for o in options))
     wnp = np.array(w3.astype(mx.float32))
     gnp = np.array(g3)
     n_exp, out_f = wnp.shape[0], wnp.shape[1]
     folded = gnp.shape[0] == 1 and n_exp > 1
     if folded:  # one Hessian for every expert: experts are just more rows
         wnp = wnp.reshape(1, n_exp * out_f, in_f)
+    if len(options) > 1:
+        if wnp.shape[0] != 1:
+            raise ValueError("several options in one GPTQ pass need a 2-D weight or one shared Hessian")
+        wnp = np.broadcast_to(wnp, (len(options),) + wnp.shape[1:])
 
-    mixed = option.is_mixed
+    mixed = options[0].is_mixed
     energy = energy_order(in_f, g3)
     if mixed:  # the processing order is also the segment assignment and the stored permutation
         order, process, static = (np.arange(in_f) if natural_order else energy), None, False
@@ -529,7 +610,7 @@ def gptq_quantize(
     res = gptq_core(
         wnp,
         gnp,
-        option,
+        options if len(options) > 1 else options[0],
         order,
         factor=factor,
         static_groups=static,
@@ -540,39 +621,52 @@ def gptq_quantize(
         weighted_scales=weighted_scales,
         scale_weight=scale_weight,
     )
+    seconds = (time.perf_counter() - t0) / len(options)
+    out = []
+    for i, option in enumerate(options):
+        bank = slice(None) if len(options) == 1 else slice(i, i + 1)
+        qt = _to_quantized(res, bank, option, shape, in_f, mixed)
+        clipped = res.clipped if len(options) == 1 else int(res.clipped[i])
+        qt.stats = {
+            "method": "gptq",
+            "damp": damp,
+            "extra_damp": res.extra_damp,
+            "clipped_fraction": clipped / float(np.prod(shape)),
+            "act_order": bool(act_order or mixed),
+            "static_groups": static,
+            "clip": clip,
+            "weighted_scales": weighted_scales,
+            "scale_weight": scale_weight,
+            "hessian": "per_expert" if (len(shape) == 3 and not folded) else "shared",
+            "seconds": seconds,
+        }
+        if error_stats:
+            wq = mx.array(res.assumed[bank][:, :, np.argsort(order)].reshape(shape))
+            qt.stats["output_error"] = output_error(wm, wq, gm)
+            qt.stats["weight_error"] = weight_error(wm, wq)
+        out.append(qt)
+    return out
 
-    perm = order.astype(np.uint16 if perm_bits(in_f) == 16 else np.uint32) if mixed else None
+
+def _to_quantized(res: GPTQResult, bank: slice, option: QuantOption, shape: tuple[int, ...], in_f: int,
+                  mixed: bool) -> QuantizedTensor:
+    """The packed :class:`~mlx_dq.quant.QuantizedTensor` of GPTQ's banks ``bank`` for ``option``."""
+    perm = res.order.astype(np.uint16 if perm_bits(in_f) == 16 else np.uint32) if mixed else None
     qt = QuantizedTensor(option, shape, perm=perm)
-    lead = (n_exp,) if len(shape) == 3 else ()
+    lead = (shape[0],) if len(shape) == 3 else ()
+    out_f = shape[-2]
     start = gstart = 0
     for seg, k in zip(option.segments, option.split(in_f)):
         if k == 0:
             continue
         ng = k // seg.group_size
-        codes = res.codes[:, :, start : start + k].reshape(*lead, out_f, k)
-        sc = res.scales[:, :, gstart : gstart + ng].reshape(*lead, out_f, ng)
-        bi = res.biases[:, :, gstart : gstart + ng].reshape(*lead, out_f, ng)
+        codes = res.codes[bank, :, start : start + k].reshape(*lead, out_f, k)
+        sc = res.scales[bank, :, gstart : gstart + ng].reshape(*lead, out_f, ng)
+        bi = res.biases[bank, :, gstart : gstart + ng].reshape(*lead, out_f, ng)
         qt.parts.append((mx.array(pack_codes(codes, seg.bits)), mx.array(sc), mx.array(bi)))
         qt.widths.append(k)
         qt.bits.append(seg.bits)
         qt.group_sizes.append(seg.group_size)
         start += k
         gstart += ng
-    qt.stats = {
-        "method": "gptq",
-        "damp": damp,
-        "extra_damp": res.extra_damp,
-        "clipped_fraction": res.clipped / float(np.prod(shape)),
-        "act_order": bool(act_order or mixed),
-        "static_groups": static,
-        "clip": clip,
-        "weighted_scales": weighted_scales,
-        "scale_weight": scale_weight,
-        "hessian": "per_expert" if (len(shape) == 3 and not folded) else "shared",
-        "seconds": time.perf_counter() - t0,
-    }
-    if error_stats:
-        wq = mx.array(res.assumed[:, :, np.argsort(order)].reshape(shape))
-        qt.stats["output_error"] = output_error(wm, wq, gm)
-        qt.stats["weight_error"] = weight_error(wm, wq)
     return qt

@@ -93,7 +93,7 @@ from .options import QuantOption
 from .grids import load_grid
 from .names import role_of
 from .quant import output_error, quantize_weight
-from .quantize import METHODS, quantize_tensor, row_blocks  # noqa: F401  (METHODS re-exported)
+from .quantize import METHODS, option_quantizer, quantize_tensor, row_blocks  # noqa: F401  (METHODS re-exported)
 from .safety import check_finite_weight
 from .sources import resolve
 from .settings import IMPORTANCE_MODES, MeasureSettings  # noqa: F401  (IMPORTANCE_MODES re-exported)
@@ -312,16 +312,23 @@ def measure_tensor(
     if only is not None:
         fitting = [o for o in fitting if o.desc in only]
     factors: dict = {}
+    in_kept = [o for o in fitting if kept is not None and o.desc in kept]
+    quantized = option_quantizer(w, [o for o in fitting if o not in in_kept], gram, method=method, clip=clip,
+                                 factor_cache=factors)  # the converter's quantizer, options batched
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
         t_opt = time.perf_counter()
-        full = rows_idx is None or (kept is not None and opt.desc in kept)
+        full = rows_idx is None or opt in in_kept
         if meter.blocks is not None:  # a large tensor: quantized and metered block by block
             wq, err, werr, clip_stats = _measure_in_blocks(
                 w, opt, gram, meter, method, clip, factors,
                 whole=damage_fn is not None or (kept is not None and opt.desc in kept))
         else:
-            wo = w_full if full else w
-            qt = quantize_tensor(wo, opt, gram, method=method, clip=clip, factor_cache=factors)  # the converter's
+            if opt in in_kept:
+                qt = quantize_tensor(w_full, opt, gram, method=method, clip=clip, factor_cache=factors)
+            else:
+                t_q = time.perf_counter()
+                qt, share = quantized(opt)
+                t_opt += (time.perf_counter() - t_q) - share  # this option's share of a batch's time
             wq = qt.dequantize(mx.float32)
             err, werr = meter(wq if rows_idx is None or not full else wq[rows_idx])
             clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
@@ -1060,7 +1067,7 @@ def tensor_kl(
             hs.append(h)
         for r in range(int(tokens.shape[0])):  # the head's input Gram, chunk by chunk
             for sl in position_chunks(int(tokens.shape[1]), chunk):
-                mx.eval(head_logits(model, tokens[r:r + 1, sl], h[r:r + 1, sl]))
+                head_logits(model, tokens[r:r + 1, sl], h[r:r + 1, sl])  # records the input; logits never evaluated
                 col.flush()
     ref = _HeadKL(model, tokens, h, chunk)
     out = {}

@@ -450,6 +450,7 @@ def _clip_search_batched(
     step = max(1, BATCH_ELEMENTS // max(1, n_c * nb * ng * gs))
     fs = mx.array([0.0] + [float(f) for f, _ in itertools.product(factors, rules)], dtype=mx.float32)
     pos = mx.arange(n_c, dtype=mx.int32).reshape(n_c, 1, 1, 1)
+    f_axis = mx.array([float(f) for f in factors], dtype=mx.float32).reshape(-1, 1, 1, 1)
     out: dict[str, list[mx.array]] = {k: [] for k in ("s", "b", "err", "base", "f", "codes")}
     clipped = 0
     for r0 in range(0, rows, step):
@@ -457,21 +458,22 @@ def _clip_search_batched(
         wc, tc = w[:, r0:r1], target[:, r0:r1]
         wmin, wmax = wc.min(-1), wc.max(-1)
         scale, bias = affine_params(wmin, wmax, bits)
-        ss, bs, css, los, his = [scale.astype(dtype)], [bias.astype(dtype)], [scale], [wmin], [wmax]
-        for f, rule in itertools.product(factors, rules):
-            lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
-            hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
-            if rule == "edge":
-                s, b = affine_params(lo, hi, bits)
-            else:  # plain min/max: the levels span exactly [lo, hi]
-                s, b = mx.maximum((hi - lo) / n_bins, _EPS), lo
-            s = s.astype(dtype)
-            ss.append(s)
-            bs.append(b.astype(dtype))
-            css.append(s.astype(mx.float32))
-            los.append(lo)
-            his.append(hi)
-        s_all, b_all, cs_all = mx.stack(ss), mx.stack(bs), mx.stack(css)  # [C, B, r, G]
+        # every (factor, rule) candidate at once, factors on a new leading axis (the loop's values, elementwise)
+        lo = mx.where(wmin < 0, wmin * f_axis, wmin).astype(dtype).astype(mx.float32)  # [F, B, r, G]
+        hi = mx.where(wmax > 0, wmax * f_axis, wmax).astype(dtype).astype(mx.float32)
+        by_rule = [affine_params(lo, hi, bits) if rule == "edge" else (mx.maximum((hi - lo) / n_bins, _EPS), lo)
+                   for rule in rules]  # "minmax": the levels span exactly [lo, hi]
+
+        def candidates(first: mx.array, per_rule: list[mx.array]) -> mx.array:
+            if n_c == 1:  # no clip factors: plain rounding only
+                return first[None]
+            return mx.concatenate([first[None], mx.stack(per_rule, 1).reshape(n_c - 1, *first.shape)])
+
+        s_all = candidates(scale.astype(dtype), [sr.astype(dtype) for sr, _ in by_rule])  # [C, B, r, G]
+        b_all = candidates(bias.astype(dtype), [br.astype(dtype) for _, br in by_rule])
+        cs_all = candidates(scale, [sr.astype(dtype).astype(mx.float32) for sr, _ in by_rule])
+        lo_all = candidates(wmin, [lo] * len(rules))
+        hi_all = candidates(wmax, [hi] * len(rules))
         err_all = err_fn(wc[None], tc[None], s_all.astype(mx.float32), b_all.astype(mx.float32), cs_all, *extra)
         base_err = err_all[0]
         scored = mx.concatenate([err_all[:1], mx.where(mx.isnan(err_all[1:]), mx.inf, err_all[1:])])
@@ -484,7 +486,7 @@ def _clip_search_batched(
 
         best_b, best_cs = pick(b_all), pick(cs_all)
         codes = mx.clip(mx.round((wc - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
-        outside = (wc < pick(mx.stack(los))[..., None]) | (wc > pick(mx.stack(his))[..., None])
+        outside = (wc < pick(lo_all)[..., None]) | (wc > pick(hi_all)[..., None])
         chosen = {"s": pick(s_all), "b": best_b, "err": pick(err_all), "base": base_err, "f": fs[idx[0]],
                   "codes": codes}
         n_out = outside.sum()

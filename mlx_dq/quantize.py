@@ -16,8 +16,9 @@ up unseen. Peak memory is about one layer plus activations.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,7 +26,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from . import distributed as dist
-from .gptq import DEFAULT_DAMP, gptq_quantize
+from .gptq import DEFAULT_DAMP, batch_key, gptq_quantize, gptq_quantize_many
 from .options import QuantOption
 from .quant import QuantizedTensor, promote_to_uniform, quantize_weight
 from .runner import LayerRunner, head_logits, position_chunks
@@ -34,6 +35,7 @@ from .settings import METHODS
 
 
 ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of output rows quantized at a time (large tensors)
+GPTQ_BATCH_BYTES = 128 * 2**20  # float32 bytes of the weight copies one batched GPTQ pass over several options holds
 
 
 # --------------------------------------------------------------------------
@@ -124,6 +126,43 @@ def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, **kw:
         st["extra_damp"] = max(q.stats["extra_damp"] for q in parts)
     out.stats = st
     return out
+
+
+def option_quantizer(
+    w: mx.array, options: Sequence[QuantOption], gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
+    factor_cache: dict | None = None, batch_bytes: int = GPTQ_BATCH_BYTES,
+) -> Callable[[QuantOption], tuple[QuantizedTensor, float]]:
+    """A function giving :func:`quantize_tensor`'s result and seconds for each of ``options``, asked in their order.
+
+    GPTQ options that share a channel order and group layout (:func:`~mlx_dq.gptq.batch_key`)
+    are quantized together in one pass over the columns, up to ``batch_bytes`` of stacked
+    float32 weight copies at a time: identical codes, scales and biases, much less
+    per-column overhead for small tensors. Each batch is made when its first option
+    is asked for; the seconds are the batch's, shared evenly.
+    """
+    options = list(options)
+    in_f = int(w.shape[-1])
+    shared = gram is not None and (w.ndim == 2 or gram.ndim == 2)
+    keys = {o.desc: batch_key(o, in_f) for o in options
+            if method == "gptq" and shared and not o.keep16 and o.fits(in_f)}
+    per_batch = max(1, batch_bytes // (3 * 4 * math.prod(int(d) for d in w.shape)))
+    ready: dict[str, tuple[QuantizedTensor, float]] = {}
+
+    def get(option: QuantOption) -> tuple[QuantizedTensor, float]:
+        if option.desc in ready:
+            return ready.pop(option.desc)
+        t0 = time.perf_counter()
+        if option.desc not in keys:
+            qt = quantize_tensor(w, option, gram, method=method, clip=clip, factor_cache=factor_cache)
+            return qt, time.perf_counter() - t0
+        at = next(i for i, o in enumerate(options) if o.desc == option.desc)
+        batch = [option] + [o for o in options[at + 1:] if keys.get(o.desc) == keys[option.desc]][: per_batch - 1]
+        qts = gptq_quantize_many(w, batch, gram, clip=clip, factor_cache=factor_cache, error_stats=False)
+        seconds = (time.perf_counter() - t0) / len(batch)
+        ready.update({o.desc: (q, seconds) for o, q in zip(batch[1:], qts[1:])})
+        return qts[0], seconds
+
+    return get
 
 
 # --------------------------------------------------------------------------
@@ -271,8 +310,8 @@ def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, Quant
             if not share.runs(b):
                 continue
             h = hidden[sl]
-            for psl in position_chunks(int(tokens.shape[1])):  # logits never [calibration tokens, vocab]
-                mx.eval(head_logits(net, tokens[sl, psl], h[:, psl]))
+            for psl in position_chunks(int(tokens.shape[1])):
+                head_logits(net, tokens[sl, psl], h[:, psl])  # records the head's input; the logits are never evaluated
                 share.flush(col, b)
     dist.reduce_stats(col)
     part = StreamPart(_quantize_all(head_mods, col.stats, options, how))

@@ -259,3 +259,60 @@ def test_clipped_fraction_counts_weights_outside_the_range():
     x[:, 0] *= 1e-3  # ... and it barely matters to the output, so the search clips it
     qt = gptq_quantize(w, QuantOption.uniform(2, 64), x.T @ x)
     assert qt.stats["clipped_fraction"] >= 16 / w.size
+
+
+def _same_tensor(a, b) -> bool:
+    """Packed codes, scales, biases, permutation and clip count all equal."""
+    parts = all(np.array_equal(np.array(x), np.array(y)) for pa, pb in zip(a.parts, b.parts) for x, y in zip(pa, pb))
+    perm = (a.perm is None and b.perm is None) or (a.perm is not None and b.perm is not None
+                                                    and np.array_equal(a.perm, b.perm))
+    return parts and perm and len(a.parts) == len(b.parts) and a.stats["clipped_fraction"] == b.stats["clipped_fraction"]
+
+
+@pytest.mark.parametrize("descs", [
+    ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "1.0:8b_64g"],  # static groups, one width per bank
+    ["0.1:3b_64g/0.9:2b_64g", "0.5:4b_64g/0.5:3b_64g", "0.25:8b_64g/0.75:6b_64g", "0.25:5b_64g/0.75:4b_64g"],
+])
+def test_options_in_one_pass_equal_one_call_each(layer, descs):
+    from mlx_dq.gptq import gptq_quantize_many
+
+    w, x, gram = layer
+    opts = [QuantOption.parse(d) for d in descs]
+    together = gptq_quantize_many(w, opts, gram)
+    for opt, qt in zip(opts, together):
+        alone = gptq_quantize(w, opt, gram)
+        assert _same_tensor(qt, alone), opt.desc
+        assert qt.stats["output_error"] == pytest.approx(alone.stats["output_error"], rel=1e-6)
+
+
+def test_option_quantizer_batches_in_order_and_within_budget(layer):
+    from mlx_dq.quantize import option_quantizer, quantize_tensor
+
+    w, x, gram = layer
+    descs = ["1.0:3b_64g", "0.25:4b_64g/0.75:3b_64g", "1.0:4b_32g", "1.0:4b_64g", "0.5:4b_64g/0.5:3b_64g",
+             "1.0:2b_64g", "16b", "0.25:4b_32g/0.75:3b_64g"]
+    opts = [QuantOption.parse(d) for d in descs]
+    wm, gm = mx.array(w), mx.array(gram)
+    for budget in (10**9, 3 * 4 * w.size * 2):  # everything at once / two options per pass
+        get = option_quantizer(wm, opts, gm, factor_cache={}, batch_bytes=budget)
+        for opt in opts:
+            qt, seconds = get(opt)
+            assert seconds >= 0
+            alone = quantize_tensor(wm, opt, gm)
+            if opt.keep16:
+                np.testing.assert_array_equal(np.array(qt.dequantize()), np.array(alone.dequantize()))
+            else:
+                assert _same_tensor(qt, alone), (budget, opt.desc)
+
+
+def test_options_of_different_layouts_refused_in_one_pass(layer):
+    from mlx_dq.gptq import gptq_quantize_many
+
+    w, x, gram = layer
+    with pytest.raises(ValueError, match="same channel order and group layout"):
+        gptq_quantize_many(w, [QuantOption.parse("1.0:4b_64g"), QuantOption.parse("1.0:4b_32g")], gram)
+    with pytest.raises(ValueError, match="same channel order and group layout"):
+        gptq_quantize_many(w, [QuantOption.parse("1.0:4b_64g"), QuantOption.parse("0.5:4b_64g/0.5:3b_64g")], gram)
+    bank = np.stack([w, w])
+    with pytest.raises(ValueError, match="shared Hessian"):
+        gptq_quantize_many(bank, [QuantOption.parse("1.0:4b_64g")] * 2, np.stack([gram, gram]))

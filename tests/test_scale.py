@@ -219,9 +219,13 @@ def test_sampled_rows_error_equals_full_quantization_on_those_rows(method, clip)
 
 
 def test_measure_records_sample_rows_in_its_settings(big_vocab, grid_file):
-    plain = _run(big_vocab["untied"], grid_file, kl_scale=False)
+    from mlx_dq.settings import MeasureSettings
+
+    plain = _run(big_vocab["untied"], grid_file, kl_scale=False, sample_rows=0)
     sampled = _run(big_vocab["untied"], grid_file, kl_scale=False, sample_rows=64)
     assert "sample_rows" not in plain.extra and sampled.extra["sample_rows"] == 64
+    default = _run(big_vocab["untied"], grid_file, kl_scale=False)
+    assert default.extra["sample_rows"] == MeasureSettings.sample_rows == 256
     assert plain.extra["settings_digest"] != sampled.extra["settings_digest"]
     up = "model.layers.0.mlp.up_proj"  # 256 output rows: measured on 64
     assert sampled.tensors[up].extra["sampled_rows"] == 64 and "sampled_rows" not in plain.tensors[up].extra
@@ -283,3 +287,35 @@ def test_estimate_cli_prints_and_does_no_work(big_vocab, tmp_path):
     r = CliRunner().invoke(main, ["measure", "--model", str(tmp_path / "nope"), "-o", str(tmp_path / "m.json"),
                                   "--estimate"])
     assert r.exit_code != 0 and "Error:" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_converter_head_gram_is_that_of_the_final_normed_states(big_vocab, monkeypatch, kind):
+    """The head's Gram (taken without evaluating any logits) is X^T X of the normed final hidden states."""
+    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.calib import calibration_rows
+    from mlx_dq.options import QuantOption
+    from mlx_dq.sources import resolve
+
+    src = resolve(str(big_vocab[kind]))
+    _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
+    seen: dict = {}
+    orig_outside, orig_all = quantize_mod._quantize_outside, quantize_mod._quantize_all
+
+    def outside(runner, hidden, options, how):
+        seen["hidden"], seen["net"] = hidden, runner.net
+        return orig_outside(runner, hidden, options, how)
+
+    def quantize_all(mods, stats, options, how):
+        seen.setdefault("stats", []).append(stats)
+        return orig_all(mods, stats, options, how)
+
+    monkeypatch.setattr(quantize_mod, "_quantize_outside", outside)
+    monkeypatch.setattr(quantize_mod, "_quantize_all", quantize_all)
+    options = {"lm_head" if kind == "untied" else "model.embed_tokens": QuantOption.uniform(4, 32)}
+    list(quantize_mod.quantize_stream(src, options, tokens, progress=False, batch_size=2))
+    head = next(iter(options))
+    gram = seen["stats"][-1][head].gram
+    x = seen["net"].model.norm(seen["hidden"]).astype(mx.float32).reshape(-1, int(seen["hidden"].shape[-1]))
+    expect = x.T @ x
+    assert float(mx.abs(gram - expect).max()) <= 1e-4 * float(mx.abs(expect).max())
