@@ -317,11 +317,9 @@ def measure_tensor(
                                  factor_cache=factors)  # the converter's quantizer, options batched
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
         t_opt = time.perf_counter()
-        full = rows_idx is None or opt in in_kept
         if meter.blocks is not None:  # a large tensor: quantized and metered block by block
-            wq, err, werr, clip_stats = _measure_in_blocks(
-                w, opt, gram, meter, method, clip, factors,
-                whole=damage_fn is not None or (kept is not None and opt.desc in kept))
+            wq, err, werr, clip_stats = _measure_in_blocks(w, opt, gram, meter, method, clip, factors,
+                                                           whole=damage_fn is not None or opt in in_kept)
         else:
             if opt in in_kept:
                 qt = quantize_tensor(w_full, opt, gram, method=method, clip=clip, factor_cache=factors)
@@ -330,26 +328,27 @@ def measure_tensor(
                 qt, share = quantized(opt)
                 t_opt += (time.perf_counter() - t_q) - share  # this option's share of a batch's time
             wq = qt.dequantize(mx.float32)
-            err, werr = meter(wq if rows_idx is None or not full else wq[rows_idx])
+            err, werr = meter(wq[rows_idx] if rows_idx is not None and opt in in_kept else wq)
             clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
         damage = damage_fn(wq) if damage_fn is not None else None
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
-        if kept is not None and opt.desc in kept:
+        if opt in in_kept:
             kept[opt.desc] = wq
         if timings is not None:
             timings[opt.desc] = time.perf_counter() - t_opt
     if rows_idx is not None:
         rec.extra["sampled_rows"] = int(rows_idx.shape[0])
-    if stats is not None:
-        rec.extra["act_energy"] = _energy_summary(stats)
-        rec.extra["input_rows"] = int(stats.rows)
-        shared = [p for p in stats.group if p != key]
-        if shared:
-            rec.extra["shares_input_with"] = shared
-    elif lookup is not None:
-        rec.extra["input_rows"] = int(lookup.rows)
-        rec.extra["err_kind"] = "lookup"
+    rec.extra.update(_input_facts(key, stats, lookup))
     return rec
+
+
+def _input_facts(key: str, stats: InputStats | None, lookup: InputStats | None) -> dict[str, Any]:
+    """What a tensor's record says about its inputs: energy, rows, shared inputs, lookup-table errors."""
+    if stats is not None:
+        shared = [p for p in stats.group if p != key]
+        return {"act_energy": _energy_summary(stats), "input_rows": int(stats.rows),
+                **({"shares_input_with": shared} if shared else {})}
+    return {"input_rows": int(lookup.rows), "err_kind": "lookup"} if lookup is not None else {}
 
 
 def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, meter: _ErrorMeter, method: str,

@@ -52,7 +52,7 @@ PIPELINE_ORDER = [
 MAX_LINES = 80
 LONG_FUNCTIONS = {
     "mlx_dq.gptq.gptq_core": "the GPTQ inner loop, one numeric kernel whose steps share the column state",
-    "mlx_dq.gptq.gptq_quantize": "GPTQ's setup around the kernel: banks, channel order, factor cache and the stored parts",
+    "mlx_dq.gptq.gptq_quantize_many": "GPTQ's setup around the kernel: banks, options, channel order, factor cache, stats",
     "mlx_dq.optimize._build": "builds the knapsack's item table in one pass over the measurement",
 }
 
