@@ -597,13 +597,16 @@ def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
               help="Keep rows already in the CSV for the same evaluation settings and texts.")
 @click.option("--merge", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Also take rows from another run's quality.csv (same evaluation settings); repeatable.")
+@click.option("--keep-reference/--stream-reference", default=True, show_default=True,
+              help="Keep the source's log-probabilities per text (rows x seq-len x vocab floats: 2.1 GB per text "
+                   "for Gemma's 262k vocabulary) or recompute them beside each model (less memory, more time).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True)
 def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_rows: int,
          calib_seq_len: int, lm_calib_rows: int, lm_calib_seq_len: int, targets: str, dq_calib_rows: int | None,
          dq_calib_seq_len: int | None, dq_measure_method: str, dq_grid: str | None, rtn_targets: str, dq_modes: str,
          distill_targets: str, distill_rows: int, distill_seq_len: int, distill_steps: int, distill_lr: float,
          head_option: str, select: str | None, only: str, label: str | None, resume: bool,
-         merge: tuple[str, ...], out_dir: Path) -> None:
+         merge: tuple[str, ...], keep_reference: bool, out_dir: Path) -> None:
     """Build every mlx-lm method and mlx-dq once, evaluate each on the same rows of every text; write CSV, markdown, PNG."""
     t_start = time.perf_counter()
     dq_targets = _numbers(targets, "--bpw")
@@ -656,7 +659,10 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
     def ref(name: str) -> evaluate.Reference:
         if name not in refs:
             print(f"reference: {spec} in float32 on {rows} x {seq_len} tokens of {name}", flush=True)
-            refs[name] = evaluate.reference(model, eval_rows[name], batch_size)
+            r = evaluate.reference(model, eval_rows[name], batch_size)
+            if not keep_reference:  # used once, for the source row
+                return r
+            refs[name] = r
         return refs[name]
 
     def save() -> None:
@@ -703,7 +709,8 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
                 q = evaluate.dequantize_model(q)
             for name in todo:
                 t2 = time.perf_counter()
-                r = evaluate.evaluate_model(q, eval_rows[name], base=ref(name), batch_size=batch_size, dequantize=False)
+                r = evaluate.evaluate_model(q, eval_rows[name], base=ref(name) if keep_reference else model,
+                                           batch_size=batch_size, dequantize=False)
                 row = {"text": name, "family": v.family, "method": v.name, "bpw": bits / weights, "kl": r["kl"],
                        "kl_max": r["kl_max"], "top1": r["top1"], "perplexity": r["perplexity"],
                        "size_mb": size / 1e6, "build_s": t1 - t0 - extra.get("spent_measuring_s", 0.0),

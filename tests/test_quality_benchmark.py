@@ -168,3 +168,22 @@ def test_distilled_row_is_built_and_scored_on_each_text(quality, tiny_llama, tmp
 def test_distill_options_need_distill_targets(quality, tmp_path):
     result = CliRunner().invoke(quality.main, ["--distill-steps", "3", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "--distill-steps apply to distilled rows only" in result.output
+
+
+def test_streamed_reference_scores_the_same(quality, tiny_llama, tmp_path):
+    """--stream-reference (the source recomputed beside each model, for large vocabularies) gives the same rows."""
+    base = ["--model", str(tiny_llama), "--texts", "pydoc", "--rows", "2", "--seq-len", "32", "--batch-size", "1",
+            "--only", "mlx-lm", "--select", r"^mlx-lm 4-bit g64$"]
+    rows = {}
+    for flag in ("--keep-reference", "--stream-reference"):
+        out = tmp_path / flag.strip("-")
+        result = CliRunner().invoke(quality.main, base + [flag, "--out", str(out)], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        with (out / "quality.csv").open() as f:
+            rows[flag] = {r["method"]: r for r in csv.DictReader(f)}
+    kept, streamed = rows["--keep-reference"], rows["--stream-reference"]
+    assert set(kept) == set(streamed) == {"source (float32)", "mlx-lm 4-bit g64"}
+    for m in kept:
+        for key in ("kl", "top1", "perplexity", "bpw"):
+            assert float(streamed[m][key]) == pytest.approx(float(kept[m][key]), rel=1e-4, abs=1e-7)
+    assert float(streamed["mlx-lm 4-bit g64"]["kl"]) > 0
