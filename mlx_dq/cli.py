@@ -494,7 +494,9 @@ def _distill_settings(distill: bool, calib: str | None, seed: int, **given: Any)
     if given and not distill:
         raise click.UsageError(", ".join(f"--distill-{k.replace('_', '-')}" for k in given)
                                + " would be ignored without --distill")
-    return DistillSettings(calib=calib, seed=seed).with_options(**given) if distill else None
+    from mlx_dq.convert import distill_settings
+
+    return distill_settings(given or True, QuantizeSettings(calib=calib, seed=seed)) if distill else None
 
 
 @main.command(context_settings=CONTEXT)

@@ -214,21 +214,10 @@ def distill_settings(distill: bool | dict | DistillSettings | None, q: QuantizeS
 
 def _distill_partial(job: _Job, tmp: Path, manifest: dict, progress: bool) -> dict:
     """Distil the complete (unpublished) folder ``tmp`` in place against the source; return its new manifest."""
-    from .distill import distill_model, store_in_place
-    from .loader import load as dq_load
-    from .sources import load_model
+    from .distill import distill_folder, store_in_place
 
-    d = job.distill
-    t0 = time.perf_counter()
-    texts, tokens = calib_mod.calibration_rows(job.source.tokenizer(), d.calib, d.rows, d.seq_len, d.seed)
-    base, _, _ = load_model(job.source.spec, dtype=mx.float32)
-    base.eval()
-    model, _ = dq_load(tmp)
-    updates, core = distill_model(model, base, tokens, d, progress=progress)
-    del model, base
-    record = {"source": job.source.spec, "input": "this conversion",
-              "settings": {**d.as_dict(), "calib": str(d.calib) if d.calib else "default"},
-              "text_digest": calib_mod.text_digest(texts), **core, "seconds": round(time.perf_counter() - t0, 2)}
+    updates, record = distill_folder(job.source, job.source.spec, tmp, job.distill, input_label="this conversion",
+                                     progress=progress)
     return store_in_place(tmp, updates, record) or manifest
 
 

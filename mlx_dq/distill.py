@@ -329,6 +329,12 @@ def _refresh_manifest(folder: Path, files: list[Path], record: dict) -> dict | N
     return manifest
 
 
+def _check_all_found(folder: Path, updates: dict[str, mx.array], seen: set[str]) -> None:
+    missing = sorted(set(updates) - seen)
+    if missing:
+        raise ValueError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
+
+
 def _replace_arrays(arrays: dict[str, mx.array], updates: dict[str, mx.array], seen: set[str]) -> bool:
     changed = False
     for k in list(arrays):
@@ -356,9 +362,7 @@ def store_in_place(folder: Path, updates: dict[str, mx.array], record: dict) -> 
             tmp = f.with_name(f".{f.stem}.tmp.safetensors")
             mx.save_safetensors(str(tmp), arrays, metadata={"format": "mlx"})
             tmp.replace(f)
-    missing = sorted(set(updates) - seen)
-    if missing:
-        raise ValueError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
+    _check_all_found(folder, updates, seen)
     return _refresh_manifest(folder, weights, record)
 
 
@@ -377,9 +381,7 @@ def _write(folder: Path, out: Path, updates: dict[str, mx.array], record: dict, 
             arrays = mx.load(str(f))
             _replace_arrays(arrays, updates, seen)
             writer.add(arrays)
-        missing = sorted(set(updates) - seen)
-        if missing:
-            raise ValueError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
+        _check_all_found(folder, updates, seen)
         files = writer.close()
         manifest = _refresh_manifest(tmp, files, record)
         if manifest is not None:
@@ -448,6 +450,31 @@ def distill_model(model: nn.Module, base: nn.Module, tokens: mx.array, settings:
     return updates, record
 
 
+def distill_folder(source: Any, spec: str, folder: Path, s: DistillSettings, *, input_label: str,
+                   progress: bool = True, say: Callable[[str], None] | None = None) -> tuple[dict[str, mx.array], dict]:
+    """Distil the quantized ``folder`` against its source (``source`` resolved from ``spec``) on ``s``' rows.
+
+    Returns the trained arrays by stored name and the provenance record (source, ``input_label``,
+    settings, calibration digest, :func:`distill_model`'s record, seconds) that the stage and
+    ``convert --distill`` both store.
+    """
+    from .loader import load as dq_load
+    from .sources import load_model
+
+    t_start = time.perf_counter()
+    texts, tokens = calib_mod.calibration_rows(source.tokenizer(), s.calib, s.rows, s.seq_len, s.seed)
+    base, _, _ = load_model(spec, dtype=mx.float32)
+    base.eval()
+    model, _ = dq_load(folder)
+    updates, core = distill_model(model, base, tokens, s, progress=progress, say=say)
+    del model, base
+    record = {
+        "source": spec, "input": input_label, "settings": {**s.as_dict(), "calib": str(s.calib) if s.calib else "default"},
+        "text_digest": calib_mod.text_digest(texts), **core, "seconds": round(time.perf_counter() - t_start, 2),
+    }
+    return updates, record
+
+
 def distill(
     source: str | None,
     quantized_folder: str | Path,
@@ -469,35 +496,23 @@ def distill(
     Returns the distillation record (also in the output manifest under ``provenance.distill``):
     KL on the training rows before and after, per-step losses and timings.
     """
-    from .loader import load as dq_load
     from .safety import guard_output_folder
-    from .sources import load_model, resolve
+    from .sources import resolve
 
     s = (settings or DistillSettings()).with_options(**options)
-    calib, rows, seq_len, seed = s.calib, s.rows, s.seq_len, s.seed
-    say = say or (lambda m: tqdm.write(m))
     folder, out = Path(quantized_folder), Path(out_folder)
     q_config = _read_config(folder)
     _weight_files(folder)
     spec = _source_spec(folder, source)
     src = resolve(spec)
     guard_output_folder(out, force, [("quantized model", folder), ("source model", src.path)])
-    if calib is not None:
-        calib_mod.load_texts(calib)
+    if s.calib is not None:
+        calib_mod.load_texts(s.calib)
     _check_same_model(src.config, q_config, spec)
-    t_start = time.perf_counter()
-    texts, tokens = calib_mod.calibration_rows(src.tokenizer(), calib, rows, seq_len, seed)
-    base, _, _ = load_model(spec, dtype=mx.float32)
-    base.eval()
-    model, _ = dq_load(folder)
-    updates, core = distill_model(model, base, tokens, s, progress=progress, say=say)
-    record = {
-        "source": spec, "input": str(folder), "settings": {**s.as_dict(), "calib": str(calib) if calib else "default"},
-        "text_digest": calib_mod.text_digest(texts), **core, "seconds": round(time.perf_counter() - t_start, 2),
-    }
+    updates, record = distill_folder(src, spec, folder, s, input_label=str(folder), progress=progress, say=say)
     _write(folder, out, updates, record, force, shard_bytes)
     return record
 
 
-__all__ = ["DistillSettings", "distill", "distill_model", "kl_loss", "make_student", "mean_kl", "quantized_layers",
+__all__ = ["DistillSettings", "distill", "distill_folder", "distill_model", "kl_loss", "make_student", "mean_kl", "quantized_layers",
            "store_in_place", "train"]
