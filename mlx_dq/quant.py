@@ -301,6 +301,7 @@ def _lut_fns(n_bins: float, dtype: mx.Dtype, metric: str, weighted: bool) -> tup
     key = ("lut", n_bins, dtype, metric, weighted)
     if key not in _compiled:
         levels = mx.arange(int(n_bins) + 1, dtype=mx.float32)
+        mx.eval(levels)  # a constant of the compiled table: evaluated here, so any thread can use it
         codes = mx.compile(partial(_level_codes, n_bins=n_bins))
         table = mx.compile(lambda s, b: _level_table(s, b, levels, dtype))
         if weighted:

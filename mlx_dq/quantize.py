@@ -32,6 +32,7 @@ from .quant import QuantizedTensor, promote_to_uniform, quantize_weight
 from .runner import LayerRunner, head_logits, position_chunks
 from .safety import check_finite_weight
 from .settings import METHODS
+from .threads import thread_map
 
 
 ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of output rows quantized at a time (large tensors)
@@ -204,20 +205,25 @@ class StreamOptions:
 
 
 def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
-                  how: StreamOptions) -> list[QuantizedModule]:
-    """Quantize ``mods`` with their planned options (16-bit when unplanned); ranks share the work when distributed."""
+                  how: StreamOptions, parallel: bool = True) -> list[QuantizedModule]:
+    """Quantize ``mods`` with their planned options (16-bit when unplanned); ranks share the work when distributed.
+
+    ``parallel``: several tensors at once on the CPU (:mod:`mlx_dq.threads`); off for the embedding and
+    head, whose row blocks would then be in memory side by side.
+    """
     if dist.active():
         return list(_run_shared(mods, stats, options, how))
-    out = []
+    grams = {p: st.gram for p, st in stats.items() if p in mods}
     for path, mod in mods.items():
-        st = stats.get(path)
-        gram = st.gram if st is not None else None
-        w = mod.weight
-        check_finite_weight(path, w)
-        qt = quantize_rows(w, options.get(path, QuantOption.fp16()), gram, method=how.method, clip=how.clip,
-                           damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype)
-        out.append(QuantizedModule(path, mod, qt, gram, w))
-    return out
+        check_finite_weight(path, mod.weight)
+
+    def one(path: str, w: mx.array, gram: mx.array | None) -> QuantizedTensor:
+        return quantize_rows(w, options.get(path, QuantOption.fp16()), gram, method=how.method, clip=how.clip,
+                             damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype)
+
+    qts = thread_map(one, [(p, mod.weight, grams.get(p)) for p, mod in mods.items()], None if parallel else 1,
+                     cost=lambda p, w, g: w.size * w.shape[-1])  # GPTQ's work grows with rows x columns^2
+    return [QuantizedModule(p, mod, qt, grams.get(p), mod.weight) for (p, mod), qt in zip(mods.items(), qts)]
 
 
 def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
@@ -314,7 +320,7 @@ def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, Quant
                 head_logits(net, tokens[sl, psl], h[:, psl])  # records the head's input; the logits are never evaluated
                 share.flush(col, b)
     dist.reduce_stats(col)
-    part = StreamPart(_quantize_all(head_mods, col.stats, options, how))
+    part = StreamPart(_quantize_all(head_mods, col.stats, options, how, parallel=False))
     done = {f"{p}.weight" for p in head_mods}
     part.plain = {k: v for k, v in tree_flatten(net.parameters()) if not k.startswith(runner.prefix) and k not in done}
     return part

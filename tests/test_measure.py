@@ -411,3 +411,27 @@ def test_tied_head_damage_counts_both_sides(tmp_path, grid_file):
         kl = float((mx.exp(ref) * (ref - logp)).sum(-1).mean())
         model.model.embed_tokens.weight = w
         assert 0.5 * kl < o.damage < 2.0 * kl, (desc, o.damage, kl)
+
+
+def test_head_options_predicted_from_anchors_on_a_row_sample(tmp_path, grid_file):
+    """With a row sample, the head's anchors keep their end-to-end KL and the others are predicted close to it."""
+    from mlx_dq.measure import head_anchors
+
+    folder = make_tiny_model_folder(tmp_path, "llama", num_layers=2, tie=True)
+    exact = _run(folder, grid_file, importance_rows=2, sample_rows=0)
+    fast = _run(folder, grid_file, importance_rows=2, sample_rows=8)
+    e, f = exact.tensors["model.embed_tokens"], fast.tensors["model.embed_tokens"]
+    anchors = head_anchors([o.option for o in e.options], int(e.shape[-1]))
+    assert f.extra["head_anchors"] == [o.desc for o in anchors] and len(anchors) == 2
+    assert [o.desc for o in f.options] == [o.desc for o in e.options]  # every option, in the grid's order
+    assert len(f.extra["lookup_damage"]) == len(f.options)
+    assert f.extra["sampled_rows"] < e.shape[0]
+    for a in anchors:  # measured end to end, exactly as without the sample
+        assert f.find(a).damage == pytest.approx(e.find(a).damage, rel=1e-5)
+    predicted = [o for o in e.options if o.option not in anchors]
+    assert predicted
+    for o in predicted:
+        got = f.find(o.option).damage
+        assert 0.6 * o.damage < got < 1.6 * o.damage, (o.desc, got, o.damage)
+    by_bits = sorted(f.options, key=lambda o: o.bpw)
+    assert by_bits[0].damage > by_bits[-1].damage

@@ -306,9 +306,9 @@ def test_converter_head_gram_is_that_of_the_final_normed_states(big_vocab, monke
         seen["hidden"], seen["net"] = hidden, runner.net
         return orig_outside(runner, hidden, options, how)
 
-    def quantize_all(mods, stats, options, how):
+    def quantize_all(mods, stats, options, how, **kw):
         seen.setdefault("stats", []).append(stats)
-        return orig_all(mods, stats, options, how)
+        return orig_all(mods, stats, options, how, **kw)
 
     monkeypatch.setattr(quantize_mod, "_quantize_outside", outside)
     monkeypatch.setattr(quantize_mod, "_quantize_all", quantize_all)

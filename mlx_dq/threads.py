@@ -1,0 +1,76 @@
+"""Worker threads for independent per-tensor work when MLX runs on the CPU.
+
+MLX's CPU backend runs elementwise kernels (the clip search, the group
+parameter search, error sums) on one core and only its matmuls on several, so a
+layer's tensors measured or quantized one after another leave the other cores
+idle. Each tensor's work is independent and deterministic, so running the
+tensors in a few threads gives the same numbers sooner. On a GPU the device is
+already busy with one tensor at a time, so the work stays on the calling thread.
+
+MLX streams belong to the thread that made them: every array handed to a worker
+must be evaluated first, and a worker evaluates everything it returns
+(:func:`thread_map` does both for arrays it can see).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, TypeVar
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+T = TypeVar("T")
+MAX_WORKERS = 4  # beyond this the matmuls' own threads and memory for temporaries gain little
+ENV = "MLX_DQ_THREADS"  # set to 1 to keep all work on the calling thread
+
+
+def workers() -> int:
+    """Threads for per-tensor work: ``$MLX_DQ_THREADS`` if set, else up to the CPU count on the CPU, 1 on a GPU."""
+    env = os.environ.get(ENV)
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"{ENV} must be a whole number of threads, got {env!r}") from None
+        return max(1, n)
+    if mx.default_device() != mx.cpu:
+        return 1
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+def _arrays(obj: Any) -> list[mx.array]:
+    """The MLX arrays inside ``obj`` (nested lists, tuples and dicts; objects' ``__dict__``)."""
+    if isinstance(obj, mx.array):
+        return [obj]
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        obj = vars(obj)
+    if isinstance(obj, (list, tuple, dict)):
+        return [v for _, v in tree_flatten(obj) if isinstance(v, mx.array)]
+    return []
+
+
+def thread_map(fn: Callable[..., T], items: Iterable[Any], n_workers: int | None = None,
+               cost: Callable[..., float] | None = None) -> list[T]:
+    """``[fn(*item) for item in items]`` on up to ``n_workers`` threads (default :func:`workers`), in order.
+
+    The arrays in the items are evaluated before any thread starts and those in
+    each result before it is returned, so no lazy graph crosses threads.
+    ``cost(*item)`` (optional) starts the costliest items first, so the threads finish together.
+    """
+    items = [it if isinstance(it, tuple) else (it,) for it in items]
+    n = workers() if n_workers is None else n_workers
+    if n <= 1 or len(items) <= 1:
+        return [fn(*it) for it in items]
+    mx.eval([a for it in items for x in it for a in _arrays(x)])
+
+    def call(it: tuple) -> T:
+        out = fn(*it)
+        mx.eval(_arrays(out))
+        return out
+
+    order = sorted(range(len(items)), key=lambda i: -cost(*items[i])) if cost is not None else range(len(items))
+    with ThreadPoolExecutor(max_workers=min(n, len(items))) as pool:
+        futures = {i: pool.submit(call, items[i]) for i in order}
+        return [futures[i].result() for i in range(len(items))]

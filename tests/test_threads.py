@@ -1,0 +1,81 @@
+"""Per-tensor work on several threads: the same numbers as on one, for measurement and conversion."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dq import threads
+from mlx_dq.convert import convert
+from mlx_dq.measure import measure, strip_timing
+from mlx_dq.measurement import measurement_to_json
+from mlx_dq.threads import thread_map, workers
+
+
+def test_thread_map_keeps_order_and_takes_lazy_inputs():
+    """Lazy arrays from the calling thread reach the workers evaluated; results come back in order, evaluated."""
+    items = [(mx.arange(100, dtype=mx.float32) * i, i) for i in range(6)]  # lazy: made on this thread's stream
+    seen = set()
+
+    def fn(x: mx.array, i: int) -> tuple[mx.array, int]:
+        seen.add(threading.get_ident())
+        return x.sum() * 2, i
+
+    got = thread_map(fn, items, 3)
+    assert [i for _, i in got] == list(range(6))
+    assert [float(v.item()) for v, _ in got] == [2 * 4950.0 * i for i in range(6)]
+    assert threading.get_ident() not in seen  # the work ran on the workers
+
+
+def test_workers_follow_the_environment(monkeypatch):
+    monkeypatch.setenv(threads.ENV, "1")
+    assert workers() == 1
+    monkeypatch.setenv(threads.ENV, "3")
+    assert workers() == 3
+    monkeypatch.setenv(threads.ENV, "two")
+    with pytest.raises(ValueError, match=threads.ENV):
+        workers()
+    monkeypatch.delenv(threads.ENV)
+    assert 1 <= workers() <= threads.MAX_WORKERS
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_moe"])
+def test_measurement_is_the_same_on_one_or_several_threads(fixture, request, monkeypatch):
+    folder = request.getfixturevalue(fixture)
+    docs = []
+    for n in ("1", "3"):
+        monkeypatch.setenv(threads.ENV, n)
+        m = measure(str(folder), rows=4, seq_len=32, batch_size=2, importance_rows=2, sample_rows=16, progress=False)
+        docs.append(json.dumps(strip_timing(measurement_to_json(m)), sort_keys=True))
+    assert docs[0] == docs[1]
+
+
+def test_conversion_is_the_same_on_one_or_several_threads(tiny_llama, tmp_path, monkeypatch):
+    plan = {f"model.layers.{i}.{p}": d for i in range(2) for p, d in (
+        ("self_attn.q_proj", "1.0:3b_64g"), ("self_attn.k_proj", "0.25:4b_32g/0.75:3b_32g"),
+        ("self_attn.v_proj", "1.0:4b_32g"), ("self_attn.o_proj", "1.0:2b_64g"), ("mlp.gate_proj", "1.0:5b_64g"),
+        ("mlp.up_proj", "1.0:4b_64g"), ("mlp.down_proj", "0.5:4b_64g/0.5:3b_64g"))}
+    arrays = []
+    for n in ("1", "3"):
+        monkeypatch.setenv(threads.ENV, n)
+        out = tmp_path / f"t{n}"
+        convert(str(tiny_llama), out, plan=plan, rows=4, seq_len=32, progress=False)
+        arrays.append(mx.load(str(out / "model.safetensors")))
+    assert arrays[0].keys() == arrays[1].keys()
+    for k in arrays[0]:
+        np.testing.assert_array_equal(np.array(arrays[0][k]), np.array(arrays[1][k]), err_msg=k)
+
+
+def test_thread_map_starts_the_costliest_first():
+    started = []
+
+    def fn(i: int) -> int:
+        started.append(i)
+        return i * i
+
+    assert thread_map(fn, [0, 1, 2, 3, 4], 2, cost=lambda i: i) == [0, 1, 4, 9, 16]
+    assert started[:2] and set(started[:2]) == {4, 3}  # the two dearest went to the two threads first
