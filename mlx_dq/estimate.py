@@ -126,7 +126,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                      flops: float | None = None) -> Estimate:
     """Predicted cost of :func:`mlx_dq.measure.measure` with these settings (shapes only)."""
     from .grids import load_grid
-    from .measure import REF_CACHE_BYTES
+    from .measure import HEAD_SAMPLE_FACTOR, REF_CACHE_BYTES
     from .runner import HEAD_CHUNK
 
     grid_map = grid if isinstance(grid, dict) else load_grid(grid)
@@ -154,11 +154,16 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     for path, s in heads:
         opts = _fitting(grid_map, path, s[-1])
         n_meas += len(opts)
-        macs += len(opts) * s[-2] * s[-1] ** 2 * per_opt
+        full = len(opts)
+        sampled = min(s[-2], HEAD_SAMPLE_FACTOR * sample_rows + min(tokens, s[-2]))  # + every looked-up row
+        if kl_scale and sample_rows and full > 2 and sampled < s[-2]:  # two anchors end to end, the rest sampled
+            full = 2
+            macs += (len(opts) - full) * sampled * s[-1] ** 2 * per_opt
+        macs += full * s[-2] * s[-1] ** 2 * per_opt
         if kl_scale:
             cached = min(REF_CACHE_BYTES, imp * vocab * 4)
             recompute = 1 - cached / max(1, imp * vocab * 4)
-            macs += len(opts) * imp * vocab * hidden * (1 + recompute)  # each option's KL (+ recomputed refs)
+            macs += full * imp * vocab * hidden * (1 + recompute)  # each full option's KL (+ recomputed refs)
             head_extra = cached
     f = flops or matmul_flops()
     other_f32 = sum(4 * _numel(s) for _, s in other)

@@ -14,7 +14,9 @@ must be evaluated first, and a worker evaluates everything it returns
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -38,6 +40,26 @@ def workers() -> int:
     if mx.default_device() != mx.cpu:
         return 1
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+_arena_set = False
+
+
+def _one_malloc_arena() -> None:
+    """On glibc, let worker threads allocate from the main malloc arena instead of one arena each.
+
+    Each extra arena keeps freed memory of its own: measuring 6 layers of SmolLM2-135M on two
+    threads peaked at 2.10 GB RSS, with one arena at 1.92 GB (as on one thread) and no slower.
+    """
+    global _arena_set
+    if _arena_set or not sys.platform.startswith("linux"):
+        return
+    _arena_set = True
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _arrays(obj: Any) -> list[mx.array]:
@@ -64,6 +86,7 @@ def thread_map(fn: Callable[..., T], items: Iterable[Any], n_workers: int | None
     if n <= 1 or len(items) <= 1:
         return [fn(*it) for it in items]
     mx.eval([a for it in items for x in it for a in _arrays(x)])
+    _one_malloc_arena()
 
     def call(it: tuple) -> T:
         out = fn(*it)
