@@ -71,6 +71,7 @@ DEFAULT_TEXTS = ("pydoc", "shakespeare", "dialog")
 # the issue's goals, per text: (mlx-dq target, mlx-lm rows it must match or beat, what they are)
 GOALS = ((3.5, ("mlx-lm 4-bit g64",), "mlx-lm 4-bit g64 (4.5 bpw)"),
          (4.0, ("mlx-lm GPTQ", "mlx-lm AWQ"), "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ)"))
+LM_CALIB = (32, 512)  # rows x tokens for mlx-lm's GPTQ and AWQ: what mlx-dq's converter calibrates on
 RTN_TARGETS = (3.0, 4.0)  # mlx-dq without error compensation (measured with rounding, converted with rounding + clip)
 DISTILL_FAMILY = "mlx-dq + distill"  # the mixed-proportion model, distilled against the source (convert --distill)
 
@@ -374,6 +375,29 @@ def write_plot(path: Path, rows: list[dict], texts: list[str], title: str) -> No
     plt.close(fig)
 
 
+def calibration_suffix(rows: int, seq_len: int) -> str:
+    """What a calibrated mlx-lm row's name adds when its calibration is not the usual 32 x 512 tokens.
+
+    Rows calibrated on less are then their own rows (``--resume`` keeps them apart) and say so in every table.
+    """
+    return "" if (rows, seq_len) == LM_CALIB else f", calibrated on {rows} x {seq_len} tokens"
+
+
+def calibrated_note(rows: list[dict], lm_calib_rows: int, lm_calib_seq_len: int) -> str:
+    """The notes' line on mlx-lm's GPTQ and AWQ: how each calibrated row in the table was calibrated.
+
+    Read from the rows themselves (rows kept from earlier runs may have used other calibration than this run's).
+    """
+    head = ("GPTQ and AWQ: mlx-lm's gptq_quantize and awq_quantize given rows of mlx-dq's calibration text directly "
+            "(their command lines download another text), run on a float32 copy, scales and biases then stored in "
+            "16 bits. GPTQ's defaults put the embedding (here also the tied head) at 6-bit g64; AWQ's at 4-bit g32.")
+    per_row = {r["method"]: r.get("notes") or "" for r in rows if r["family"] in ("mlx-lm GPTQ", "mlx-lm AWQ")}
+    if not per_row:
+        return f"{head} This run's calibration: {lm_calib_rows} rows x {lm_calib_seq_len} tokens."
+    return head + " Per row: " + "; ".join(f"{m}: {n or 'calibration not recorded'}"
+                                           for m, n in sorted(per_row.items())) + "."
+
+
 def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache: Path, spec: str,
                     calibrated_rows: mx.array | None = None) -> Iterator[Variant]:
     """Every mlx-lm method, built lazily one at a time from the float32 model.
@@ -383,17 +407,18 @@ def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache:
     """
     cal_rows = calib_rows if calibrated_rows is None else calibrated_rows
     cal_note = f"calibrated on {cal_rows.shape[0]} x {cal_rows.shape[1]} tokens of mlx-dq's calibration text"
+    cal = calibration_suffix(cal_rows.shape[0], cal_rows.shape[1])
 
     def calibrated() -> Iterator[Variant]:
         d = baselines.GPTQ_DEFAULTS
-        yield Variant("mlx-lm GPTQ", f"mlx-lm GPTQ 4-bit g64, embedding {d['fallback_bits']}-bit g64 (its defaults)",
+        yield Variant("mlx-lm GPTQ", f"mlx-lm GPTQ 4-bit g64, embedding {d['fallback_bits']}-bit g64 (its defaults){cal}",
                       lambda: (baselines.gptq(model, config, cal_rows)[0], None), cal_note)
-        yield Variant("mlx-lm GPTQ", "mlx-lm GPTQ 4-bit g64, embedding 4-bit g64",
+        yield Variant("mlx-lm GPTQ", f"mlx-lm GPTQ 4-bit g64, embedding 4-bit g64{cal}",
                       lambda: (baselines.gptq(model, config, cal_rows, fallback_bits=4)[0], None), cal_note)
         a = baselines.AWQ_DEFAULTS
-        yield Variant("mlx-lm AWQ", f"mlx-lm AWQ 4-bit g64, embedding 4-bit g{a['embed_group_size']} (its defaults)",
+        yield Variant("mlx-lm AWQ", f"mlx-lm AWQ 4-bit g64, embedding 4-bit g{a['embed_group_size']} (its defaults){cal}",
                       lambda: (baselines.awq(model, config, cal_rows)[0], None), cal_note)
-        yield Variant("mlx-lm AWQ", "mlx-lm AWQ 4-bit g64, embedding 4-bit g64",
+        yield Variant("mlx-lm AWQ", f"mlx-lm AWQ 4-bit g64, embedding 4-bit g64{cal}",
                       lambda: (baselines.awq(model, config, cal_rows, embed_group_size=64)[0], None), cal_note)
 
     def uniform(b: int) -> Iterator[Variant]:
@@ -446,7 +471,7 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
                     calib_rows: int | None = None, calib_seq: int | None = None,
                     measure_method: str = "gptq", grid: str | None = None,
                     distill_targets: tuple[float, ...] = (), distill_settings: DistillSettings | None = None,
-                    base: nn.Module | None = None) -> Iterator[Variant]:
+                    base: nn.Module | None = None, saved: Path | None = None) -> Iterator[Variant]:
     """mlx-dq at each target as a user gets it: ``measure`` -> ``optimize`` -> ``quantize_model``, library defaults.
 
     Mixed-proportion and ``--mlx-lm-compatible`` plans with error compensation (GPTQ, the default), then
@@ -455,7 +480,9 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
     ``distill_settings`` (what ``mlx_dq convert --distill`` does).
     ``head_option`` None puts embedding and head in the bpw budget (so the target is the total bpw).
     ``calib_rows``/``calib_seq`` None: the measurer's and converter's own defaults. Quantizes in memory
-    with ``mlx_dq.convert.quantize_model`` (the converter's own arithmetic).
+    with ``mlx_dq.convert.quantize_model`` (the converter's own arithmetic). ``saved``: a finished
+    measurement file the compensated rows are planned from instead of measuring (e.g. the one earlier
+    rows were built from, so that new rows share it after the measurer's defaults changed).
     """
     from mlx_dq import convert as conv
     from mlx_dq import measure as meas
@@ -464,6 +491,9 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
     state: dict = {}
 
     def measurement(method: str):
+        if method not in state and saved is not None and method == measure_method:
+            state[method], state[method + "_s"] = load_saved_measurement(saved, spec), 0.0
+            print(f"  measurement: {saved} (saved, not measured again)", flush=True)
         if method not in state:
             rows = calib_rows or meas.DEFAULT_ROWS
             seq = calib_seq or meas.DEFAULT_SEQ_LEN
@@ -509,6 +539,7 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
               f"{rec['kl_train_after']:.4f}", flush=True)
         return q, extra
 
+    from_file = f", planned from the saved measurement {saved.name}" if saved is not None else ""
     runs = [("gptq", False, t) for t in targets if "mixed" in modes] + [("rtn", False, t) for t in rtn_targets]
     runs += [("gptq", True, t) for t in targets if "compatible" in modes]
     for method, compatible, t in runs:
@@ -516,14 +547,32 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         suffix = "" if method == "gptq" else " (no compensation)"
         yield Variant(family + suffix, f"{family}{suffix} @{t:g}",
                       lambda t=t, c=compatible, m=method: build(t, c, m),
-                      f"target {t:g} bpw, {'GPTQ' if method == 'gptq' else 'rounding + clip'}")
+                      f"target {t:g} bpw, {'GPTQ' + from_file if method == 'gptq' else 'rounding + clip'}")
     if distill_targets and base is None:
         raise ValueError("distilled rows need the float32 source model (base)")
     d = distill_settings or DistillSettings()
     for t in distill_targets:
         yield Variant(DISTILL_FAMILY, f"{DISTILL_FAMILY} @{t:g}", lambda t=t: build_distilled(t),
-                      f"target {t:g} bpw, GPTQ, then distilled ({d.steps} steps, {d.rows} x {d.seq_len} calibration "
-                      f"tokens, lr {d.lr:g})")
+                      f"target {t:g} bpw, GPTQ{from_file}, then distilled ({d.steps} steps, {d.rows} x {d.seq_len} "
+                      f"calibration tokens, lr {d.lr:g})")
+
+
+def load_saved_measurement(path: Path, spec: str):
+    """A finished measurement of ``spec`` from ``path`` (``--dq-measurement``); ValueError when it is not one."""
+    from mlx_dq.measurement import load_measurement
+    from mlx_dq.sources import resolve
+
+    try:
+        m = load_measurement(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path} is not a readable measurement: {e}") from None
+    if not m.extra.get("complete"):
+        raise ValueError(f"{path} is an unfinished measurement")
+    if str(m.model.get("spec")) != str(spec):
+        raise ValueError(f"{path} measures {m.model.get('spec')!r}, not {spec!r}")
+    if m.model.get("fingerprint") != resolve(spec).fingerprint():
+        raise ValueError(f"{path} was measured on other weights than {spec!r} has now")
+    return m
 
 
 def _numbers(text: str, hint: str) -> tuple[float, ...]:
@@ -561,9 +610,9 @@ def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
 @click.option("--calib-rows", default=8, show_default=True, type=click.IntRange(min=1),
               help="Calibration rows for mlx-lm's dynamic_quant sensitivities.")
 @click.option("--calib-seq-len", default=256, show_default=True, type=click.IntRange(min=3))
-@click.option("--lm-calib-rows", default=32, show_default=True, type=click.IntRange(min=1),
+@click.option("--lm-calib-rows", default=LM_CALIB[0], show_default=True, type=click.IntRange(min=1),
               help="Calibration rows for mlx-lm's GPTQ and AWQ (mlx-dq's converter uses 32 x 512).")
-@click.option("--lm-calib-seq-len", default=512, show_default=True, type=click.IntRange(min=3))
+@click.option("--lm-calib-seq-len", default=LM_CALIB[1], show_default=True, type=click.IntRange(min=3))
 @click.option("--bpw", "--targets", "targets", default=",".join(f"{t:g}" for t in MLX_DQ_TARGETS), show_default=True,
               help="mlx-dq bpw targets, comma separated.")
 @click.option("--dq-calib-rows", default=None, type=click.IntRange(min=1),
@@ -571,6 +620,8 @@ def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
 @click.option("--dq-calib-seq-len", default=None, type=click.IntRange(min=3))
 @click.option("--dq-measure-method", type=click.Choice(["gptq", "rtn"]), default="gptq", show_default=True,
               help="How mlx-dq's compensated rows are measured (rtn: much faster); they are converted with GPTQ.")
+@click.option("--dq-measurement", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Plan the compensated mlx-dq rows from this finished measurement file instead of measuring.")
 @click.option("--dq-grid", default=None, help="mlx-dq option grid to measure: a built-in name (default, fast) or a file.")
 @click.option("--rtn-targets", default=",".join(f"{t:g}" for t in RTN_TARGETS), show_default=True,
               help="bpw targets for mlx-dq without error compensation (rounding + clip), comma separated; '' for none.")
@@ -603,7 +654,8 @@ def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS, show_default=True)
 def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, seed: int, calib_rows: int,
          calib_seq_len: int, lm_calib_rows: int, lm_calib_seq_len: int, targets: str, dq_calib_rows: int | None,
-         dq_calib_seq_len: int | None, dq_measure_method: str, dq_grid: str | None, rtn_targets: str, dq_modes: str,
+         dq_calib_seq_len: int | None, dq_measure_method: str, dq_measurement: Path | None,
+         dq_grid: str | None, rtn_targets: str, dq_modes: str,
          distill_targets: str, distill_rows: int, distill_seq_len: int, distill_steps: int, distill_lr: float,
          head_option: str, select: str | None, only: str, label: str | None, resume: bool,
          merge: tuple[str, ...], keep_reference: bool, out_dir: Path) -> None:
@@ -630,6 +682,11 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
         pick = re.compile(select) if select else None
     except re.error as e:
         raise click.BadParameter(f"not a regular expression: {e}", param_hint="--select") from None
+    if dq_measurement is not None and only != "report":
+        try:
+            load_saved_measurement(dq_measurement, spec)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--dq-measurement") from None
     eval_sets = _eval_texts(text_names)
     digests = {n: calib.text_digest(t) for n, (t, _) in eval_sets.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -688,7 +745,7 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
                                         tuple(m.strip() for m in dq_modes.split(",") if m.strip()), rtn,
                                         None if head_option == "budget" else head_option,
                                         dq_calib_rows, dq_calib_seq_len, dq_measure_method, dq_grid,
-                                        dist_targets, d_settings, model))
+                                        dist_targets, d_settings, model, dq_measurement))
     for group in variants:
         for v in group:
             todo = [n for n in eval_rows if (n, v.name) not in done]
@@ -736,10 +793,7 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
             f"dynamic_quant: mlx-lm's estimate_sensitivities and estimate_threshold on our calibration text "
             f"({calib_rows} rows x {calib_seq_len} tokens, not its own download), levels and targets in the "
             "method name (4b64/5b64 @5.0 is its default).",
-            f"GPTQ and AWQ: mlx-lm's gptq_quantize and awq_quantize given {lm_calib_rows} rows x {lm_calib_seq_len} "
-            "tokens of mlx-dq's calibration text directly (their command lines download another text), run on a "
-            "float32 copy, scales and biases then stored in 16 bits. GPTQ's defaults put the embedding (here also "
-            "the tied head) at 6-bit g64; AWQ's at 4-bit g32.",
+            calibrated_note(results, lm_calib_rows, lm_calib_seq_len),
             "mlx-dq rows: measure -> optimize -> quantize with mlx-dq's defaults (the converter's streamed "
             "arithmetic, in memory; calibration "
             + (f"{dq_calib_rows} rows x {dq_calib_seq_len or 'default'} tokens"
@@ -747,6 +801,7 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
             + " of mlx-dq's calibration text"
             + (f"; measured with `--method {dq_measure_method}`" if dq_measure_method != "gptq" else "")
             + (f" and `--grid {dq_grid}`" if dq_grid else "")
+            + (f"; planned from the saved measurement `{dq_measurement.name}`" if dq_measurement else "")
             + ", converted with GPTQ); embedding/head: "
             f"{'chosen by the optimizer inside the target' if head_option == 'budget' else head_option}; "
             "`--mlx-lm-compatible` plans use whole-tensor options only; '(no compensation)' rows are measured "

@@ -187,3 +187,49 @@ def test_streamed_reference_scores_the_same(quality, tiny_llama, tmp_path):
         for key in ("kl", "top1", "perplexity", "bpw"):
             assert float(streamed[m][key]) == pytest.approx(float(kept[m][key]), rel=1e-4, abs=1e-7)
     assert float(streamed["mlx-lm 4-bit g64"]["kl"]) > 0
+
+
+def test_reduced_calibration_is_in_the_calibrated_rows_names(quality):
+    assert quality.calibration_suffix(*quality.LM_CALIB) == ""  # the usual calibration: names as before
+    assert quality.calibration_suffix(8, 256) == ", calibrated on 8 x 256 tokens"
+    assert quality.calibration_suffix(32, 256) != quality.calibration_suffix(8, 512)
+    rows = [{"family": "mlx-lm GPTQ", "method": "mlx-lm GPTQ a", "notes": "calibrated on 16 x 512 tokens"},
+            {"family": "mlx-lm AWQ", "method": "mlx-lm AWQ b, calibrated on 8 x 256 tokens",
+             "notes": "calibrated on 8 x 256 tokens"},
+            {"family": "mlx-lm uniform", "method": "mlx-lm 4-bit g64", "notes": "not calibrated"}]
+    note = quality.calibrated_note(rows, 32, 512)
+    assert "mlx-lm GPTQ a: calibrated on 16 x 512 tokens" in note  # each row's own, not this run's 32 x 512
+    assert "mlx-lm AWQ b, calibrated on 8 x 256 tokens: calibrated on 8 x 256 tokens" in note
+    assert "32 rows" not in note and "4-bit g64:" not in note
+    assert "32 rows x 512 tokens" in quality.calibrated_note(rows[2:], 32, 512)  # none in the table: this run's
+
+
+def test_mlx_dq_rows_can_be_planned_from_a_saved_measurement(quality, tiny_llama, tmp_path):
+    base = ["--model", str(tiny_llama), "--texts", "pydoc", "--rows", "2", "--seq-len", "32", "--batch-size", "2",
+            "--bpw", "4", "--rtn-targets", "", "--dq-modes", "mixed", "--dq-calib-rows", "4", "--dq-calib-seq-len",
+            "32", "--dq-measure-method", "rtn", "--dq-grid", "fast", "--only", "mlx-dq"]
+    first = CliRunner().invoke(quality.main, base + ["--out", str(tmp_path / "a")], catch_exceptions=False)
+    assert first.exit_code == 0, first.output
+    saved = next((tmp_path / "a" / "cache").glob("*.measurement.rtn.*.json"))
+    args = base + ["--dq-measurement", str(saved), "--out", str(tmp_path / "b")]
+    again = CliRunner().invoke(quality.main, args, catch_exceptions=False)
+    assert again.exit_code == 0, again.output
+    assert "saved, not measured again" in again.output and not (tmp_path / "b" / "cache").exists()
+    rows = {}
+    for d in ("a", "b"):
+        with (tmp_path / d / "quality.csv").open() as f:
+            rows[d] = {r["method"]: r for r in csv.DictReader(f)}
+    a, b = rows["a"]["mlx-dq @4"], rows["b"]["mlx-dq @4"]
+    assert float(b["kl"]) == pytest.approx(float(a["kl"]), rel=1e-5) and b["bpw"] == a["bpw"]  # the same plan
+    assert saved.name in b["notes"] and saved.name not in a["notes"]
+    assert f"planned from the saved measurement `{saved.name}`" in (tmp_path / "b" / "quality.md").read_text()
+    # a file that is not a measurement, or one of another model, is refused before anything runs
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for path, msg in ((bad, "not a readable measurement"), ):
+        result = CliRunner().invoke(quality.main, base + ["--dq-measurement", str(path), "--out", str(tmp_path / "c")])
+        assert result.exit_code == 2 and msg in result.output, result.output
+    other = tmp_path / "other.json"
+    other.write_text(saved.read_text().replace(str(tiny_llama), "another-model"))
+    result = CliRunner().invoke(quality.main, base + ["--dq-measurement", str(other), "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "measures 'another-model'" in result.output, result.output
