@@ -47,8 +47,9 @@ optimizer uses as is. With ``sample_rows`` (the default) only two anchor
 options are run through the head (:func:`head_anchors`); the others' damage is
 the anchor's KL per squared output error times their own squared error on a
 row sample (on SmolLM2-135M within -8%..+3% of the measured KL, the same plan
-and byte-identical weights at 3.5 bpw). Why measure the head end to end: on SmolLM2-135M the old unit-less head importance
-let the optimizer put the 28M-weight tied head at 2 bits at a 3.5 bpw target;
+and byte-identical weights at 3.5 bpw). Why measure the head end to end: on
+SmolLM2-135M the old unit-less head importance let the optimizer put the
+28M-weight tied head at 2 bits at a 3.5 bpw target;
 that head alone costs KL 0.67 (GPTQ) while the whole 3.5 bpw model measured
 0.67. A tied head's damage adds the lookup side of the same codes, predicted
 as KL-scaled importance x lookup error^2 (it cannot be carried end to end in
@@ -695,7 +696,8 @@ def measure(
     puts every importance in KL units and measures the head's options end to end;
     ``head_chunk`` bounds the head's logits to ``[head_chunk, vocab]`` floats at a
     time; ``sample_rows > 0`` measures each linear layer's options on that many
-    random output rows (the importance reference and the head's options on all).
+    random output rows (the importance reference on all; the head's two anchor options on
+    all and its others on ``HEAD_SAMPLE_FACTOR`` times as many, see :func:`_head_by_anchors`).
     """
     run = _start(spec_or_source, (settings or MeasureSettings()).with_options(**options), out_path, progress)
     old = _resume(run) if resume else None
@@ -1023,9 +1025,9 @@ def _head_by_anchors(run: _Run, path: str, w: mx.array, options: Sequence[QuantO
     uses), plus the lookup side as in :func:`_add_lookup_damage` (exact: every
     looked-up row is in the sample). Why: the head's options, each quantized on
     every vocabulary row and run through the head, were most of a small model's
-    measurement. On SmolLM2-135M the measured ratio stays within 29-32 for the
-    whole-tensor options from 2 to 8 bits and 35-38 for the mixed ones (one
-    outlier, 43, at 7.2 bits); on Gemma-3-270M 27-31 and 33-38.
+    measurement. Measured on every option, the head's KL per squared error stays
+    within 16.3-17.7 for SmolLM2-135M's whole-tensor options from 2 to 8 bits and
+    19.7-22.2 for its mixed ones (24.0 at 7.2 bits); Gemma-3-270M: 26.5-30.5 and 32.9-37.8.
     """
     role, in_f = role_of(path), int(w.shape[-1])
     fitting = fitting_options(options, in_f)
