@@ -22,7 +22,9 @@ from .quant import BATCH_ELEMENTS
 BASE_RSS = 600 * 2**20  # Python, MLX, mlx-lm, tokenizer: measured on an empty measure run
 TIME_FACTOR = 3.0  # real seconds / matmul-bound seconds observed on a 2-core CPU (GPTQ bookkeeping, small matmuls)
 FIXED_S = 5.0  # start-up: imports, tokenizer, calibration text
-OPTION_S = {"rtn": 0.1, "gptq": 0.3}  # per (tensor, option) overhead that does not scale with the shapes
+# per (tensor, option) overhead that does not scale with the shapes; gptq: the README command (SmolLM2-135M,
+# 256 sampled rows, a layer's tensors on two threads) measured 12.1 s per layer for 133 options on 2 cores
+OPTION_S = {"rtn": 0.1, "gptq": 0.1}
 TENSOR_S = 0.15  # per tensor overhead of convert
 JSON_BYTES_PER_OPTION = 600  # measurement JSON per (tensor, option)
 QUANT_COPIES = 6  # float32 copies of the largest block of rows alive while it is quantized (GPTQ working arrays)
