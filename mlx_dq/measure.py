@@ -98,7 +98,8 @@ from .options import QuantOption
 from .grids import load_grid
 from .names import role_of
 from .quant import output_error, quantize_weight
-from .quantize import METHODS, option_quantizer, quantize_tensor, row_blocks  # noqa: F401  (METHODS re-exported)
+from .quantize import (METHODS, option_quantizer, quantize_tensor, row_blocks,  # noqa: F401  (METHODS re-exported)
+                       tensor_work)
 from .safety import check_finite_weight
 from .threads import thread_map
 from .sources import resolve
@@ -843,21 +844,21 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
     records, refs, timings = [], {}, {}
     owner = _share_options(run, mods)  # {} with one rank
 
+    grid = {p: _grid_options(run.grid_map, role_of(p), p) for p in mods}
+    refs_opt = {p: reference_option(grid[p], int(mod.weight.shape[-1])) for p, mod in mods.items()}
+
     def one(path: str, w: mx.array, stats: InputStats | None) -> tuple[TensorRecord, dict]:
-        opts = _grid_options(run.grid_map, role_of(path), path)
-        kept = {reference_option(opts, int(w.shape[-1])).desc: None}
-        only = {d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None
-        rec = measure_tensor(path, w, opts, stats, role_of(path), clip=run.clip, kept=kept, method=s.method,
-                             only=only, sample_rows=s.sample_rows, timings=timings[path])
+        kept = {refs_opt[path].desc: None}
+        rec = measure_tensor(path, w, grid[path], stats, role_of(path), clip=run.clip, kept=kept, method=s.method,
+                             only=_owned(owner, path), sample_rows=s.sample_rows, timings=timings[path])
         return rec, kept
 
     for path in mods:
         timings[path] = {}
     measured = thread_map(one, [(p, mod.weight, col.stats.get(p)) for p, mod in mods.items()],
-                          cost=lambda p, w, st: w.size * w.shape[-1])  # tensors in parallel, the widest first
+                          cost=lambda p, w, st: tensor_work(w))  # tensors in parallel, the dearest first
     for (path, mod), (rec, kept) in zip(mods.items(), measured):
-        opts = _grid_options(run.grid_map, role_of(path), path)
-        ref = reference_option(opts, int(mod.weight.shape[-1]))
+        opts, ref = grid[path], refs_opt[path]
         records.append(rec)
         if s.importance == "residual" and owner and owner.get(
                 (path, ref.desc), owner.get((path, fitting_options(opts, int(mod.weight.shape[-1]))[0].desc))
@@ -987,9 +988,8 @@ def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCol
     if fn is not None and not owner and s.sample_rows > 0:  # one rank: anchors end to end, the rest predicted
         rec = _head_by_anchors(run, path, mod.weight, opts, stats, fn, run.embed_importance * scale)
     if rec is None:
-        only = {d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None
         rec = measure_tensor(path, mod.weight, opts, stats, role, lookup=lookup, clip=run.clip, method=s.method,
-                             damage_fn=fn, progress=run.progress, sample_rows=s.sample_rows, only=only)
+                             damage_fn=fn, progress=run.progress, sample_rows=s.sample_rows, only=_owned(owner, path))
         if fn is not None and path in embed_lookup:
             rec.extra["lookup_damage"] = [round(x, 6) for x in fn.lookup_damage]
     if stats is not None and path in embed_lookup:
@@ -1103,6 +1103,11 @@ def _share_options(run: _Run, mods: dict[str, nn.Module]) -> dict[tuple[str, str
     else:
         costs = [dist.option_cost(tuple(mods[p].weight.shape), run.s.method, run.clip, o.keep16) for p, o in units]
     return {(p, o.desc): r for (p, o), r in zip(units, dist.split_by_cost(costs))}
+
+
+def _owned(owner: dict[tuple[str, str], int], path: str) -> set[str] | None:
+    """The option descriptions of ``path`` this rank measures (None: one rank measures every option)."""
+    return {d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None
 
 
 def _learn_rates(run: _Run, mods: dict[str, nn.Module], timings: dict[str, dict[str, float]]) -> None:

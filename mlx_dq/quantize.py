@@ -204,6 +204,11 @@ class StreamOptions:
     scale_dtype: Any = mx.float16
 
 
+def tensor_work(w: mx.array) -> int:
+    """Relative cost of quantizing one weight with GPTQ (rows x columns^2), to start the dearest tensors first."""
+    return int(w.size) * int(w.shape[-1])
+
+
 def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
                   how: StreamOptions, parallel: bool = True) -> list[QuantizedModule]:
     """Quantize ``mods`` with their planned options (16-bit when unplanned); ranks share the work when distributed.
@@ -222,7 +227,7 @@ def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, Qu
                              damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype)
 
     qts = thread_map(one, [(p, mod.weight, grams.get(p)) for p, mod in mods.items()], None if parallel else 1,
-                     cost=lambda p, w, g: w.size * w.shape[-1])  # GPTQ's work grows with rows x columns^2
+                     cost=lambda p, w, g: tensor_work(w))
     return [QuantizedModule(p, mod, qt, grams.get(p), mod.weight) for (p, mod), qt in zip(mods.items(), qts)]
 
 
