@@ -129,6 +129,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     """Predicted cost of :func:`mlx_dq.measure.measure` with these settings (shapes only)."""
     from .grids import load_grid
     from .measure import HEAD_SAMPLE_FACTOR, REF_CACHE_BYTES
+    from .quantize import row_blocks
     from .runner import HEAD_CHUNK
 
     grid_map = grid if isinstance(grid, dict) else load_grid(grid)
@@ -165,7 +166,10 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
         if kl_scale:
             cached = min(REF_CACHE_BYTES, imp * vocab * 4)
             recompute = 1 - cached / max(1, imp * vocab * 4)
-            macs += full * imp * vocab * hidden * (1 + recompute)  # each full option's KL (+ recomputed refs)
+            if row_blocks(s) is not None:  # KL block by block: original and quantized rows each time, + LSE once
+                macs += (2 * full + 1) * imp * vocab * hidden
+            else:
+                macs += full * imp * vocab * hidden * (1 + recompute)  # each full option's KL (+ recomputed refs)
             head_extra = cached
     f = flops or matmul_flops()
     other_f32 = sum(4 * _numel(s) for _, s in other)
@@ -173,8 +177,9 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
     block = max([_block_numel(s) for t in layers for _, s in t] + [_block_numel(s) for _, s in other])
-    if kl_scale and heads:  # the head's KL swaps in one whole dequantized float32 copy per option
-        head_extra += 4 * max(_numel(s) for _, s in heads)
+    one_block = [_numel(s) for _, s in heads if row_blocks(s) is None]
+    if kl_scale and one_block:  # a head of one row block: its KL swaps in a whole dequantized float32 copy
+        head_extra += 4 * max(one_block)
     peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + QUANT_COPIES * 4 * block + logits + head_extra \
         + (CLIP_SEARCH_BYTES if method == "gptq" else 0)  # measuring RTN scores its options per Gram block
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON

@@ -114,7 +114,8 @@ DEFAULT_IMPORTANCE_ROWS = MeasureSettings.importance_rows
 REFERENCE_OPTION = "1.0:3b_64g"
 KL_SAMPLE_LAYERS = 8  # decoder layers whose joint perturbation is carried to the logits to scale importance to KL
 HEAD_SAMPLE_FACTOR = 8  # the head's predicted options are measured on sample_rows x this many rows (+ looked-up ones)
-REF_CACHE_BYTES = 512 * 2**20  # reference log-probabilities kept for the head's KL; the rest are recomputed
+REF_CACHE_BYTES = 128 * 2**20  # reference log-probabilities kept for the head's KL (carried perturbations and
+# one-block heads; a larger head's options go block by block); the rest are recomputed
 TIMING_KEYS = ("timing",)  # fields that differ between otherwise identical runs
 
 
@@ -334,9 +335,12 @@ def measure_tensor(
                                  factor_cache=factors)  # the converter's quantizer, options batched
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
         t_opt = time.perf_counter()
-        if meter.blocks is not None:  # a large tensor: quantized and metered block by block
-            wq, err, werr, clip_stats = _measure_in_blocks(w, opt, gram, meter, method, clip, factors,
-                                                           whole=damage_fn is not None or opt in in_kept)
+        damage = None
+        if meter.blocks is not None:  # a large tensor: quantized and metered (and its damage taken) block by block
+            by_block = damage_fn if hasattr(damage_fn, "blocks") else None
+            wq, err, werr, clip_stats, damage = _measure_in_blocks(
+                w, opt, gram, meter, method, clip, factors, damage=by_block,
+                whole=(damage_fn is not None and by_block is None) or opt in in_kept)
         else:
             if opt in in_kept:
                 qt = quantize_tensor(w_full, opt, gram, method=method, clip=clip, factor_cache=factors)
@@ -347,7 +351,8 @@ def measure_tensor(
             wq = qt.dequantize(mx.float32)
             err, werr = meter(wq[rows_idx] if rows_idx is not None and opt in in_kept else wq)
             clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
-        damage = damage_fn(wq) if damage_fn is not None else None
+        if damage_fn is not None and damage is None:
+            damage = damage_fn(wq)
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
         if opt in in_kept:
             kept[opt.desc] = wq
@@ -369,17 +374,20 @@ def _input_facts(key: str, stats: InputStats | None, lookup: InputStats | None) 
 
 
 def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, meter: _ErrorMeter, method: str,
-                       clip: bool, factors: dict, whole: bool) -> tuple[mx.array | None, float, float, dict]:
+                       clip: bool, factors: dict, whole: bool, damage: Any = None
+                       ) -> tuple[mx.array | None, float, float, dict, float | None]:
     """One option of a large tensor, quantized and metered per block of output rows (see :func:`row_blocks`).
 
     Returns the dequantized weight (assembled in one preallocated float32 array, only when
-    ``whole``), the errors and the clip statistics. The codes of every row are those of the
+    ``whole``), the errors, the clip statistics and the damage when ``damage`` (a damage
+    function with a ``blocks()`` accumulator, see :meth:`_HeadKL.damage_fn`) is given. The codes of every row are those of the
     one-piece quantizer (rows are independent); error sums and the clip improvement add the
     blocks' float32 sums in double precision, so they equal the one-piece figures to float rounding.
     """
     shape = tuple(int(d) for d in w.shape)
     wq_all = mx.zeros(shape, dtype=mx.float32) if whole else None
     onum = wnum = base = best = 0.0
+    acc = damage.blocks() if damage is not None else None
     clipped, have = 0, set()
     for i, sl in enumerate(meter.blocks):
         wb = w[..., sl, :]
@@ -397,6 +405,8 @@ def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, met
         if wq_all is not None:
             wq_all[..., sl, :] = wq  # in place: the array's only reference
             mx.eval(wq_all)
+        if acc is not None:
+            acc.add(sl, wq)
         del qt, wq
     err, werr = meter.result(onum, wnum)
     stats = {}
@@ -404,7 +414,7 @@ def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, met
         stats["clipped_fraction"] = clipped / float(np.prod(shape))
     if "clip_improvement" in have:
         stats["clip_improvement"] = 1.0 - best / base if base > 0 else 0.0
-    return wq_all, err, werr, stats
+    return wq_all, err, werr, stats, acc.value() if acc is not None else None
 
 
 # --------------------------------------------------------------------------
@@ -530,7 +540,28 @@ def _add_lookup_damage(head_fn: Callable[[mx.array], float], w: mx.array, lookup
         return head_fn(wq) + parts[-1]
 
     fn.lookup_damage = parts  # type: ignore[attr-defined]
+    if hasattr(head_fn, "blocks"):
+        fn.blocks = lambda: _LookupBlocks(head_fn.blocks(), meter, importance, parts)  # type: ignore[attr-defined]
     return fn
+
+
+class _LookupBlocks:
+    """:func:`_add_lookup_damage`'s sum fed block by block: the head's block KL plus the lookup meter's block sums."""
+
+    def __init__(self, head: "_HeadBlockKL", meter: _ErrorMeter, importance: float, parts: list[float]):
+        self.head, self.meter, self.importance, self.parts = head, meter, importance, parts
+        self.sums = [0.0, 0.0]
+        self.starts = [b.start for b in meter.blocks or [slice(0, None)]]
+
+    def add(self, sl: slice, wq: mx.array) -> None:
+        """Rows ``sl`` quantized to ``wq`` (the measurer's row blocks, which are the meter's)."""
+        self.head.add(sl, wq)
+        o, w_ = self.meter.partial(self.starts.index(sl.start or 0), wq)
+        self.sums = [self.sums[0] + o, self.sums[1] + w_]
+
+    def value(self) -> float:
+        self.parts.append(self.importance * self.meter.result(*self.sums)[0] ** 2)
+        return self.head.value() + self.parts[-1]
 
 
 class _HeadKL:
@@ -563,6 +594,17 @@ class _HeadKL:
         self.cached_bytes = used
         self.recomputed = sum(lp is None for lp in self.ref)
         self.positions = int(tokens.shape[0]) * int(tokens.shape[1])
+        self._lse: list[mx.array] | None = None  # the reference's log-normaliser per chunk (block KL)
+
+    def ref_lse(self) -> list[mx.array]:
+        """The reference logits' log-sum-exp per position, one ``[1, positions]`` array per chunk (computed once)."""
+        if self._lse is None:
+            self._lse = []
+            for r, sl in self.chunks:
+                lse = mx.logsumexp(head_logits(self.model, self.tokens[r:r + 1, sl], self.hidden[r:r + 1, sl]), -1)
+                mx.eval(lse)
+                self._lse.append(lse)
+        return self._lse
 
     def _ref_logp(self, r: int, sl: slice) -> mx.array:
         logits = head_logits(self.model, self.tokens[r:r + 1, sl], self.hidden[r:r + 1, sl])
@@ -588,12 +630,59 @@ class _HeadKL:
         return total / self.positions
 
     def damage_fn(self, mod: nn.Module) -> Callable[[mx.array], float]:
-        """``wq -> KL`` with the head (or tied embedding) weight of ``mod`` replaced by ``wq``."""
+        """``wq -> KL`` with the head (or tied embedding) weight of ``mod`` replaced by ``wq``.
+
+        Its ``blocks()`` gives the same KL fed one block of vocabulary rows at a
+        time (:class:`_HeadBlockKL`), so no dequantized copy of a large head is built.
+        """
 
         def fn(wq: mx.array) -> float:
             return self.kl(self.hidden, swap=(mod, wq.astype(mod.weight.dtype)))
 
+        fn.blocks = lambda: _HeadBlockKL(self, mod)  # type: ignore[attr-defined]
         return fn
+
+
+class _HeadBlockKL:
+    """One head option's KL accumulated over blocks of vocabulary rows: memory bounded by the block, not the vocabulary.
+
+    Per position, ``KL(ref || q) = sum_v p_v (r_v - q_v) + LSE(q) - LSE(r)`` with
+    ``r``, ``q`` the reference and quantized logits and ``p = softmax(r)``. The
+    sum and ``LSE(q)`` (by ``logaddexp``) add up over blocks, so each block's
+    original and quantized rows go through the model's own head in one call (the
+    two stacked as one weight) and its logits are dropped. Why: the whole
+    dequantized head was one more float32 copy of the vocabulary x hidden matrix
+    (519 MiB at 151,936 x 896), the largest item of the head stage's peak.
+    Logit transforms must act per logit (scaling, soft-capping), as in mlx-lm's models.
+    """
+
+    def __init__(self, head: _HeadKL, mod: nn.Module):
+        self.head, self.mod = head, mod
+        self.lse_ref = head.ref_lse()
+        self.dot = [mx.zeros_like(x) for x in self.lse_ref]
+        self.lse_q = [mx.full(x.shape, -mx.inf, dtype=mx.float32) for x in self.lse_ref]
+        self.zeros = mx.zeros_like(head.tokens)  # the lookup's output is replaced; ids must fit the stacked rows
+
+    def add(self, sl: slice, wq: mx.array) -> None:
+        """Account for vocabulary rows ``sl`` quantized to ``wq``."""
+        w, h = self.mod.weight, self.head
+        n = int(wq.shape[0])
+        self.mod.weight = mx.concatenate([w[sl], wq.astype(w.dtype)])
+        try:
+            for c, (r, psl) in enumerate(h.chunks):
+                logits = head_logits(h.model, self.zeros[r:r + 1, psl], h.hidden[r:r + 1, psl])
+                ref, q = logits[..., :n], logits[..., n:]
+                p = mx.exp(ref - self.lse_ref[c][..., None])
+                self.dot[c] = self.dot[c] + (p * (ref - q)).sum(-1)
+                self.lse_q[c] = mx.logaddexp(self.lse_q[c], mx.logsumexp(q, -1))
+                mx.eval(self.dot[c], self.lse_q[c])
+        finally:
+            self.mod.weight = w
+
+    def value(self) -> float:
+        """Mean KL per position over every block added (all the vocabulary rows)."""
+        total = sum((d + lq - lr).sum().item() for d, lq, lr in zip(self.dot, self.lse_q, self.lse_ref))
+        return total / self.head.positions
 
 
 # --------------------------------------------------------------------------

@@ -121,15 +121,65 @@ def test_head_in_row_blocks_equals_one_piece(big_vocab, grid_file, monkeypatch, 
         blocks_seen.append(0 if out is None else len(out))
         return out
 
+    added, assembled = [], []
+    orig_add, orig_blocks = measure_mod._HeadBlockKL.add, measure_mod._measure_in_blocks
+
+    def add(self, sl, wq):
+        added.append(int(wq.shape[0]))
+        return orig_add(self, sl, wq)
+
+    def in_blocks(*a, **k):
+        if k.get("damage") is not None:  # the head: measured end to end
+            assembled.append(k["whole"])
+        return orig_blocks(*a, **k)
+
     monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * 128 * 150)  # 150 rows of 128 channels a block
     monkeypatch.setattr(measure_mod, "row_blocks", spy)
+    monkeypatch.setattr(measure_mod._HeadBlockKL, "add", add)
+    monkeypatch.setattr(measure_mod, "_measure_in_blocks", in_blocks)
     blocked = _run(big_vocab[kind], grid_file)
     assert max(blocks_seen) >= 6  # the 2048-row embedding/head went in blocks
+    assert added and max(added) <= 150 and sum(added) % BIG_VOCAB == 0  # its KL taken block by block
+    assert assembled and not any(assembled)  # and no dequantized copy of the whole head built
     _assert_same(blocked, whole, rel=1e-5)
     head = "lm_head" if kind == "untied" else "model.embed_tokens"
     for key in {head, "model.embed_tokens"}:
         for oa, ob in zip(blocked.tensors[key].options, whole.tensors[key].options):
             assert (oa.clip or {}) == pytest.approx(ob.clip or {}, rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_head_block_kl_equals_the_swapped_head(tmp_path, model_type):
+    """The head's KL summed over blocks of vocabulary rows equals the KL of the whole quantized head swapped in."""
+    from mlx_dq.options import QuantOption
+    from mlx_dq.quant import quantize_weight
+    from mlx_dq.sources import resolve
+
+    cfg = tiny_config(model_type, 1, tie=model_type != "llama")
+    cfg["vocab_size"] = 700
+    cfg["sliding_window_pattern"] = 1  # one layer
+    folder = tmp_path / model_type
+    folder.mkdir()
+    weights = random_weights(cfg, seed=5)
+    if cfg["tie_word_embeddings"]:
+        weights.pop("lm_head.weight", None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    model = resolve(str(folder)).model(mx.float32)
+    rng = __import__("numpy").random.default_rng(1)
+    tokens = mx.array(rng.integers(0, 700, size=(2, 30)).astype("int32"))
+    hidden = mx.array(rng.standard_normal((2, 30, cfg["hidden_size"])).astype("float32"))
+    head = measure_mod._HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
+    mod = model.lm_head if not cfg["tie_word_embeddings"] else model.model.embed_tokens
+    w = mod.weight
+    wq = quantize_weight(w, QuantOption.parse("1.0:2b_64g"), clip=False).dequantize(mx.float32)
+    direct = head.damage_fn(mod)(wq)
+    acc = head.damage_fn(mod).blocks()
+    for sl in (slice(0, 250), slice(250, 251), slice(251, 700)):
+        acc.add(sl, wq[sl])
+    assert direct > 0.01
+    assert acc.value() == pytest.approx(direct, rel=1e-4)
+    assert mx.array_equal(mod.weight, w)  # the original weight is back
 
 
 def test_chunked_tensor_kl_equals_direct(big_vocab):
