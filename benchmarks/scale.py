@@ -112,7 +112,8 @@ if args["stage"] == "measure":
     prof = cProfile.Profile()
     prof.enable()
     m = measure(folder, grid=args["grid"], rows=args["rows"], seq_len=args["seq_len"], method=args["method"],
-                out_path=args["out"], progress=False, **({"head_chunk": args["head_chunk"]} if args["head_chunk"] else {}))
+                out_path=args["out"], progress=False, sample_rows=args["sample_rows"],
+                **({"head_chunk": args["head_chunk"]} if args["head_chunk"] else {}))
     prof.disable()
     st = pstats.Stats(prof)
     total = sum(v[2] for v in st.stats.values())
@@ -142,20 +143,57 @@ def layer_tensors(s: dict) -> list[tuple[int, int]]:
             (f, h), (f, h), (h, f)]
 
 
-def layer_macs(s: dict, tokens: int, options: int, method: str) -> float:
-    """Multiply-adds of measuring one decoder layer: forward + Gram + per option (GPTQ) and exact error."""
+def layer_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, sample_rows: int) -> float:
+    """Multiply-adds of measuring one decoder layer, as the measurer does them (mlx_dq.estimate's counts).
+
+    Forward with the Gram of the 3 distinct inputs, the importance reruns, then per tensor the
+    reference option on every output row and each other option on ``sample_rows`` rows (0: all):
+    GPTQ's column updates (``out x in^2``) plus the exact error (``out x in^2``).
+    """
     ts = layer_tensors(s)
     params = sum(o * i for o, i in ts)
-    fwd = tokens * params + sum(tokens * i * i for _, i in ts[::3])  # forward; Grams of the 3 distinct inputs
-    per_opt = sum(o * i * i for o, i in ts) * (2 if method == "gptq" else 1)  # GPTQ updates + error d G d^T
-    return fwd + options * per_opt
+    fwd = tokens * params + sum(tokens * i * i for _, i in ts[::3]) + 3 * imp_tokens * params
+    per = 2 if method == "gptq" else 1
+    opts = sum(((options - 1) * (min(o, sample_rows) if sample_rows else o) + o) * i * i * per for o, i in ts)
+    return fwd + opts
 
 
-def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str) -> float:
-    """Multiply-adds of the head stage: logits of every row, then per head option its KL and errors."""
+def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, sample_rows: int) -> float:
+    """Multiply-adds of the head stage: logits of every row, two anchor options quantized on every
+    vocabulary row with their KL taken block by block (original and quantized rows, plus one LSE pass),
+    the other options on a row sample (mlx_dq.measure.head_anchors); all of them exactly without sampling."""
+    from mlx_dq.measure import HEAD_SAMPLE_FACTOR
+
     v, h = s["vocab"], s["hidden"]
-    per_opt = v * h * h * (2 if method == "gptq" else 1) + imp_tokens * v * h * 2  # error + KL (ref recomputed)
-    return tokens * v * h + options * per_opt
+    per = 2 if method == "gptq" else 1
+    sampled = min(v, HEAD_SAMPLE_FACTOR * sample_rows + min(tokens, v))
+    full = 2 if sample_rows and options > 2 and sampled < v else options
+    kl = (2 * full + 1) * imp_tokens * v * h
+    return tokens * v * h + full * v * h * h * per + (options - full) * sampled * h * h * per + kl
+
+
+def hot_loop(s: dict, flops: float) -> dict:
+    """GPTQ's column loop on one ``hidden x hidden`` tensor of this shape (Hessian factor cached): seconds and
+    FLOP/s, counting ``out x in^2 / 2`` multiply-adds (the triangular updates) against a plain matmul."""
+    import mlx.core as mx
+
+    from mlx_dq.options import QuantOption
+    from mlx_dq.quantize import quantize_tensor
+
+    h = s["hidden"]
+    mx.random.seed(1)
+    w = mx.random.normal((h, h)) / h ** 0.5
+    x = mx.random.normal((4 * h, h))
+    gram = x.T @ x
+    mx.eval(w, gram)
+    cache: dict = {}
+    opt = QuantOption.parse("1.0:4b_64g")
+    quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache)  # factor the Hessian once
+    t = time.perf_counter()
+    mx.eval(*quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache).parts[0])
+    sec = time.perf_counter() - t
+    fl = 2 * (h * h * h / 2) / sec
+    return {"tensor": [h, h], "seconds": sec, "flops": fl, "of_matmul": fl / flops}
 
 
 def run_child(code: str, folder: Path, args: dict, src: Path = ROOT) -> dict:
@@ -187,11 +225,17 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--code", default=str(ROOT), help="folder holding the mlx_dq package to run (before/after)")
     ap.add_argument("--keep", default=None, help="build the models in this folder and keep them")
+    ap.add_argument("--sample-rows", type=int, default=None, help="measure's --sample-rows (default: its default)")
+    ap.add_argument("--no-hot-loop", action="store_true", help="skip timing GPTQ's column loop alone")
     args = ap.parse_args()
     from mlx_dq.estimate import matmul_flops
 
     flops = matmul_flops(2048)
     print(f"plain float32 mx.matmul on {__import__('mlx.core').core.default_device()}: {flops / 1e9:.1f} GFLOP/s")
+    if args.sample_rows is None:
+        from mlx_dq.settings import MeasureSettings
+
+        args.sample_rows = MeasureSettings.sample_rows
     results = {"matmul_flops": flops, "args": vars(args), "shapes": {}}
     with tempfile.TemporaryDirectory() as td:
         base = Path(args.keep or td)
@@ -205,10 +249,12 @@ def main() -> None:
             mpath.unlink(missing_ok=True)
             meas = run_child(CHILD, folder, {"stage": "measure", "grid": args.grid, "rows": args.rows,
                                              "seq_len": args.seq_len, "method": args.method, "out": str(mpath),
-                                             "head_chunk": args.head_chunk}, Path(args.code))
+                                             "head_chunk": args.head_chunk, "sample_rows": args.sample_rows},
+                             Path(args.code))
             tokens = args.rows * args.seq_len
             imp_tokens = min(4, args.rows) * args.seq_len
             opts = max(meas["options"].values())
+            sample_rows = args.sample_rows
             lay = meas["timing"]["layers_s"]
             rows_out = []
             print(f"\n== {name}: hidden {s['hidden']}, intermediate {s['intermediate']}, vocab {s['vocab']}, "
@@ -217,13 +263,15 @@ def main() -> None:
             print(f"{'stage':>8} {'seconds':>8} {'GMAC':>9} {'GFLOP/s':>8} {'of matmul':>9} {'peak RSS MB':>11}")
             marks = meas["marks"]  # end of each layer's save, then the final save
             for i, sec in enumerate(lay):
-                macs = layer_macs(s, tokens, opts, args.method)
+                macs = layer_macs(s, tokens, imp_tokens, opts, args.method, sample_rows)
                 rss = peak_between(meas["rss"], marks[i] - sec, marks[i])
                 rows_out.append({"stage": f"layer {i}", "seconds": sec, "macs": macs, "peak_rss_mb": rss})
             head_s = marks[-1] - marks[len(lay) - 1]
             setup = meas["seconds"] - sum(lay) - head_s
-            head_opts = sum(v for k, v in meas["options"].items() if ".layers." not in k)
-            hm = head_macs(s, tokens, imp_tokens, head_opts, args.method)
+            heads = [k for k in meas["options"] if ".layers." not in k]
+            head_opts = sum(meas["options"][k] for k in heads)
+            hm = head_macs(s, tokens, imp_tokens, max(1, head_opts // max(1, len(heads))), args.method,
+                           sample_rows) * len(heads)
             rows_out.append({"stage": "head", "seconds": head_s, "macs": hm,
                              "peak_rss_mb": peak_between(meas["rss"], marks[len(lay) - 1], marks[-1] + 0.1)})
             for r in rows_out:
@@ -249,6 +297,11 @@ def main() -> None:
                       f"{args.layers} layer(s) + head), peak RSS {conv['peak_rss_mb']:.0f} MB; extrapolated to "
                       f"{s['depth']} layers: {per * (s['depth'] + 1) / 60:.1f} min")
                 res["convert"] = {k: v for k, v in conv.items() if k != "rss"}
+            if not args.no_hot_loop:
+                hl = hot_loop(s, flops)
+                print(f"GPTQ column loop alone on a {hl['tensor'][0]} x {hl['tensor'][1]} tensor (factor cached): "
+                      f"{hl['seconds']:.2f} s, {hl['flops'] / 1e9:.1f} GFLOP/s = {hl['of_matmul']:.0%} of matmul")
+                res["hot_loop"] = hl
             results["shapes"][name] = res
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

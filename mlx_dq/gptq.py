@@ -439,7 +439,10 @@ def gptq_core(
             end = max(end, int(g_start[g] + groups[g][1]))
         bounds.append(end)
 
-    wt_ = np.ascontiguousarray(ws[:, :, porder].transpose(0, 2, 1))  # [B, k, R] processing order
+    # [B, k, R] in processing order: the columns not yet reached live in MLX (the lazy block updates, most of
+    # GPTQ's multiply-adds, run there, on the default device); each block's columns come back to numpy
+    rest = mx.array(np.ascontiguousarray(ws[:, :, porder].transpose(0, 2, 1)))
+    u_mx = mx.array(u)
     codes = np.zeros((nb, k, rows), dtype=np.uint8)
     assumed = np.zeros((nb, k, rows), dtype=np.float32)
     sp_of = porder
@@ -458,14 +461,15 @@ def gptq_core(
     scratch = np.empty((max(nb, u.shape[0]), widest, rows), dtype=np.float32)
     for b0, b1 in zip(bounds[:-1], bounds[1:]):
         err = np.zeros((nb, b1 - b0, rows), dtype=np.float32)
+        wt_ = np.array(rest[:, : b1 - b0, :])  # this block's columns; column p is wt_[:, p - b0]
         for p in range(b0, b1):
             sp = int(sp_of[p])
             g = int(gid[sp])
             if not static_groups and sp == g_start[g]:
                 gsz = groups[g][1]
-                params_for(wt_[:, p : p + gsz, :].transpose(0, 2, 1), g, 1, gsz)
+                params_for(wt_[:, p - b0 : p - b0 + gsz, :].transpose(0, 2, 1), g, 1, gsz)
             s, bi, safe, zero, qm = group_params(g)
-            col = wt_[:, p, :]
+            col = wt_[:, p - b0, :]
             # same values as codes_f16 / dequant_f16, with the division done once and the parameters converted once
             raw = np.rint((col - bi) / safe)
             q = np.minimum(np.maximum(raw, 0.0), qm)  # np.clip's values, without its Python-level dispatch
@@ -480,10 +484,11 @@ def gptq_core(
             e = (col - dq) / u[:, p, p][:, None]
             if p + 1 < b1:  # rank-1 update of the block's remaining columns, through a reused buffer
                 upd = np.multiply(u[:, p, p + 1 : b1, None], e[:, None, :], out=scratch[:, : b1 - p - 1])
-                np.subtract(wt_[:, p + 1 : b1, :], upd, out=wt_[:, p + 1 : b1, :])
+                np.subtract(wt_[:, p + 1 - b0 :, :], upd, out=wt_[:, p + 1 - b0 :, :])
             err[:, p - b0, :] = e
+        rest = rest[:, b1 - b0 :, :]
         if b1 < k:
-            wt_[:, b1:, :] -= np.matmul(u[:, b0:b1, b1:].transpose(0, 2, 1), err)
+            rest = rest - mx.matmul(u_mx[:, b0:b1, b1:].transpose(0, 2, 1), mx.array(err))
     return GPTQResult(
         codes=codes.transpose(0, 2, 1),
         scales=scales.transpose(1, 2, 0),
