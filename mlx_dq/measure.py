@@ -97,7 +97,7 @@ from .measurement import Measurement, TensorRecord, load_measurement, save_measu
 from .options import QuantOption
 from .grids import load_grid
 from .names import role_of
-from .quant import output_error, quantize_weight
+from .quant import output_error, quantize_weight, relative_error
 from .quantize import (METHODS, option_quantizer, quantize_tensor, row_blocks,  # noqa: F401  (METHODS re-exported)
                        tensor_work)
 from .safety import check_finite_weight
@@ -191,8 +191,10 @@ def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
     must = np.unique(np.asarray(must, dtype=np.int64)) if must is not None else np.empty(0, dtype=np.int64)
     if n <= 0 or w.ndim != 2 or gram.ndim != 2 or rows <= n + must.size:
         return None
-    w32 = w.astype(mx.float32)
-    energy = np.asarray(((w32 @ gram.astype(mx.float32)) * w32).sum(1), dtype=np.float64)
+    g32 = gram.astype(mx.float32)
+    energy = np.concatenate([np.asarray(((wb @ g32) * wb).sum(1), dtype=np.float64)  # by row blocks: no
+                             # temporary the size of a 151,936-row head
+                             for wb in (w[sl].astype(mx.float32) for sl in row_blocks(w.shape) or [slice(None)])])
     by_energy = np.argsort(-energy, kind="stable")
     top = np.concatenate([must, by_energy[~np.isin(by_energy, must)][: n // 4]])
     rest = np.setdiff1d(np.arange(rows), top)
@@ -260,7 +262,7 @@ class _ErrorMeter:
     def result(self, onum: float, wnum: float) -> tuple[float, float]:
         """(err, weight_err) from summed squared errors."""
         den = self.oden if self.g is not None or self.c is not None else self.wden
-        return _relative(onum, den), _relative(wnum, self.wden)
+        return relative_error(onum, den), relative_error(wnum, self.wden)
 
     def __call__(self, wq: mx.array) -> tuple[float, float]:
         if self.blocks is None:
@@ -270,13 +272,6 @@ class _ErrorMeter:
             o, w_ = self.partial(i, wq[..., sl, :])
             onum, wnum = onum + o, wnum + w_
         return self.result(onum, wnum)
-
-
-def _relative(num: float, den: float) -> float:
-    """sqrt(num / den); a zero reference (an all-zero tensor, pruned or padded) counts as error 0 when kept exactly."""
-    if den > 0:
-        return math.sqrt(num / den)
-    return 0.0 if num == 0 else math.sqrt(num)
 
 
 def measure_tensor(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Sequence
 
@@ -71,6 +71,14 @@ class QuantizedTensor:
             inv = np.argsort(self.perm.astype(np.int64))
             wq = mx.take(wq, mx.array(inv.astype(np.int32)), axis=-1)
         return wq
+
+    def rows(self, sl: slice) -> "QuantizedTensor":
+        """Output rows ``sl`` (axis -2) as a tensor of their own (the same codes, scales and biases, sliced), so a
+        large weight can be dequantized a block of rows at a time."""
+        n = len(range(*sl.indices(self.shape[-2])))
+        return replace(self, shape=self.shape[:-2] + (n, self.shape[-1]),
+                       parts=[(w[..., sl, :], s[..., sl, :], b[..., sl, :]) for w, s, b in self.parts],
+                       fp=None if self.fp is None else self.fp[..., sl, :])
 
     def nbytes(self) -> int:
         """Bytes of every stored array (codes, scales, biases, permutation or 16-bit weight)."""
@@ -517,14 +525,22 @@ def output_error(w: mx.array, wq: mx.array, gram: mx.array) -> float:
     Computed as ``sqrt(tr(D G D^T) / tr(W G W^T))`` with ``D = Wq - W``; ``gram``
     is ``[in, in]`` or per expert ``[E, in, in]`` for banks ``[E, out, in]``.
     """
+    return relative_error(*output_error_sums(w, wq, gram))
+
+
+def output_error_sums(w: mx.array, wq: mx.array, gram: mx.array) -> tuple[float, float]:
+    """``(tr(D G D^T), tr(W G W^T))`` of :func:`output_error`; sums over blocks of rows add up."""
     g = gram.astype(mx.float32)
     w32 = w.astype(mx.float32)
     d = wq.astype(mx.float32) - w32
-    num = float(((d @ g) * d).sum().item())
-    den = float(((w32 @ g) * w32).sum().item())
+    return float(((d @ g) * d).sum().item()), float(((w32 @ g) * w32).sum().item())
+
+
+def relative_error(num: float, den: float) -> float:
+    """sqrt(num / den); a zero reference (all-zero weight or inputs) gives the absolute error (0 when exact)."""
     if den > 0:
         return math.sqrt(num / den)
-    return 0.0 if num == 0 else math.sqrt(num)  # a zero reference (all-zero weight or inputs): absolute error
+    return 0.0 if num == 0 else math.sqrt(num)
 
 
 # --------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from .formats.facts import packing_facts
 from .names import MANIFEST_NAME, MANIFEST_SCHEMA, MODEL_FILE, default_bits_group
 from .options import QuantOption
 from .optimize import Plan
-from .quant import QuantizedTensor, output_error
+from .quant import QuantizedTensor, output_error_sums, relative_error
+from .quantize import row_blocks
 from .safety import finite_number, guard_output_folder, make_partial_folder, publish_folder
 
 MANIFEST_VERSION = 2  # 2: module "bits" -> "storage_bits", "dense_bytes" -> "kept16_bytes", facts added
@@ -130,7 +131,7 @@ def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, array
             dtype: str = "float16") -> dict:
     """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation)."""
     opt = qt.option
-    err = output_error(w, qt.dequantize(mx.float32), gram) if gram is not None and not opt.keep16 else None
+    err = _output_error(qt, w, gram) if gram is not None and not opt.keep16 else None
     return {
         "option": opt.desc,
         "shape": list(qt.shape),
@@ -142,6 +143,16 @@ def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, array
         "err": err,
         "clip": {k: qt.stats[k] for k in ("clipped_fraction", "clip_improvement") if k in qt.stats},
     }
+
+
+def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array) -> float:
+    """:func:`mlx_dq.quant.output_error` of the stored codes, summed over blocks of output rows (a large head
+    otherwise needs several float32 copies of itself: 5 GB of temporaries at 151,936 x 896)."""
+    num = den = 0.0
+    for sl in row_blocks(w.shape) or [slice(None)]:
+        n, d = output_error_sums(w[..., sl, :], qt.rows(sl).dequantize(mx.float32), gram)
+        num, den = num + n, den + d
+    return relative_error(num, den)
 
 
 def output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: str = "float16",

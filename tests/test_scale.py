@@ -369,3 +369,31 @@ def test_converter_head_gram_is_that_of_the_final_normed_states(big_vocab, monke
     x = seen["net"].model.norm(seen["hidden"]).astype(mx.float32).reshape(-1, int(seen["hidden"].shape[-1]))
     expect = x.T @ x
     assert float(mx.abs(gram - expect).max()) <= 1e-4 * float(mx.abs(expect).max())
+
+
+@pytest.mark.parametrize("desc", ["1.0:3b_64g", "0.25:4b_32g/0.75:2b_64g", "fp16"])
+def test_written_error_in_row_blocks_equals_one_piece(monkeypatch, desc):
+    """The converter's recorded output error of a large tensor, taken block by block of rows, is the whole one's."""
+    from mlx_dq import quantize as quantize_mod
+    from mlx_dq import writer
+    from mlx_dq.options import QuantOption
+    from mlx_dq.quant import output_error
+    from mlx_dq.quantize import quantize_tensor
+
+    rng = __import__("numpy").random.default_rng(2)
+    w = mx.array(rng.standard_normal((600, 128)).astype("float32"))
+    x = mx.array(rng.standard_normal((300, 128)).astype("float32"))
+    gram = x.T @ x
+    opt = QuantOption.fp16() if desc == "fp16" else QuantOption.parse(desc)
+    qt = quantize_tensor(w, opt, gram, method="rtn", clip=False)
+    for sl in (slice(0, 150), slice(150, 151), slice(151, 600)):
+        assert mx.array_equal(qt.rows(sl).dequantize(), qt.dequantize()[sl])
+    whole = output_error(w, qt.dequantize(mx.float32), gram)
+    monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * 128 * 150)  # 4 blocks of 150 rows
+    assert len(quantize_mod.row_blocks(w.shape)) == 4
+    seen = []
+    orig = qt.rows
+    monkeypatch.setattr(qt, "rows", lambda sl: (seen.append(sl), orig(sl))[1])
+    got = writer._output_error(qt, w, gram)
+    assert len(seen) == 4
+    assert got == pytest.approx(whole, rel=1e-5, abs=1e-9)
