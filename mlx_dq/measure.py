@@ -375,9 +375,10 @@ def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, met
 
     Returns the dequantized weight (assembled in one preallocated float32 array, only when
     ``whole``), the errors, the clip statistics and the damage when ``damage`` (a damage
-    function with a ``blocks()`` accumulator, see :meth:`_HeadKL.damage_fn`) is given. The codes of every row are those of the
-    one-piece quantizer (rows are independent); error sums and the clip improvement add the
-    blocks' float32 sums in double precision, so they equal the one-piece figures to float rounding.
+    function with a ``blocks()`` accumulator, see :meth:`_HeadKL.damage_fn`) is given.
+    The codes of every row are those of the one-piece quantizer (rows are independent); error
+    sums and the clip improvement add the blocks' float32 sums in double precision, so they
+    equal the one-piece figures to float rounding.
     """
     shape = tuple(int(d) for d in w.shape)
     wq_all = mx.zeros(shape, dtype=mx.float32) if whole else None
