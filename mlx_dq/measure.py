@@ -331,11 +331,9 @@ def measure_tensor(
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
         t_opt = time.perf_counter()
         damage = None
-        if meter.blocks is not None:  # a large tensor: quantized and metered (and its damage taken) block by block
-            by_block = damage_fn if hasattr(damage_fn, "blocks") else None
-            wq, err, werr, clip_stats, damage = _measure_in_blocks(
-                w, opt, gram, meter, method, clip, factors, damage=by_block,
-                whole=(damage_fn is not None and by_block is None) or opt in in_kept)
+        if meter.blocks is not None:  # a large tensor: quantized, metered and its damage taken block by block
+            wq, err, werr, clip_stats, damage = _measure_in_blocks(w, opt, gram, meter, method, clip, factors,
+                                                                   damage_fn, keep=opt in in_kept)
         else:
             if opt in in_kept:
                 qt = quantize_tensor(w_full, opt, gram, method=method, clip=clip, factor_cache=factors)
@@ -346,8 +344,7 @@ def measure_tensor(
             wq = qt.dequantize(mx.float32)
             err, werr = meter(wq[rows_idx] if rows_idx is not None and opt in in_kept else wq)
             clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
-        if damage_fn is not None and damage is None:
-            damage = damage_fn(wq)
+        damage = damage_fn(wq) if damage_fn is not None and damage is None else damage
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
         if opt in in_kept:
             kept[opt.desc] = wq
@@ -369,21 +366,21 @@ def _input_facts(key: str, stats: InputStats | None, lookup: InputStats | None) 
 
 
 def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, meter: _ErrorMeter, method: str,
-                       clip: bool, factors: dict, whole: bool, damage: Any = None
+                       clip: bool, factors: dict, damage: Any = None, keep: bool = False
                        ) -> tuple[mx.array | None, float, float, dict, float | None]:
     """One option of a large tensor, quantized and metered per block of output rows (see :func:`row_blocks`).
 
     Returns the dequantized weight (assembled in one preallocated float32 array, only when
-    ``whole``), the errors, the clip statistics and the damage when ``damage`` (a damage
-    function with a ``blocks()`` accumulator, see :meth:`_HeadKL.damage_fn`) is given.
+    ``keep`` or when ``damage`` needs the whole weight), the errors, the clip statistics and
+    the damage when ``damage`` has a ``blocks()`` accumulator (see :meth:`_HeadKL.damage_fn`).
     The codes of every row are those of the one-piece quantizer (rows are independent); error
     sums and the clip improvement add the blocks' float32 sums in double precision, so they
     equal the one-piece figures to float rounding.
     """
     shape = tuple(int(d) for d in w.shape)
-    wq_all = mx.zeros(shape, dtype=mx.float32) if whole else None
+    acc = damage.blocks() if hasattr(damage, "blocks") else None
+    wq_all = mx.zeros(shape, dtype=mx.float32) if keep or (damage is not None and acc is None) else None
     onum = wnum = base = best = 0.0
-    acc = damage.blocks() if damage is not None else None
     clipped, have = 0, set()
     for i, sl in enumerate(meter.blocks):
         wb = w[..., sl, :]
