@@ -76,15 +76,16 @@ SCALE_WEIGHTS = ("diag", "gptq")
 # --------------------------------------------------------------------------
 # Hessian preparation
 # --------------------------------------------------------------------------
-def damped_hessian(gram: np.ndarray, damp: float) -> tuple[np.ndarray, float]:
+def damped_hessian(gram: np.ndarray, damp: float, copy: bool = True) -> tuple[np.ndarray, float]:
     """``H`` (``[B, k, k]``) with dead channels set to 1 and ``damp * mean(diag(H))`` added to the diagonal.
 
     Each of the ``B`` matrices is damped by its own mean diagonal. Returns the
-    damped float32 matrices and the largest absolute damping added.
+    damped float32 matrices and the largest absolute damping added; ``copy=False``
+    damps a float32 ``gram`` in place (one ``k x k`` copy less at 14,336 channels: 822 MB).
     """
     if damp < 0:
         raise ValueError(f"damp must be >= 0, got {damp}")
-    h = np.array(gram, dtype=np.float32, copy=True)
+    h = np.array(gram, dtype=np.float32, copy=copy)
     diag = np.einsum("bii->bi", h)  # writable view of every diagonal
     dead = diag <= 0
     diag[dead] = 1.0
@@ -105,13 +106,22 @@ def inverse_cholesky_upper(h: np.ndarray, damp_step: float | None = None) -> tup
     mean_diag = float(np.einsum("bii->bi", h).mean())
     step = damp_step if damp_step is not None else 0.01 * max(mean_diag, 1e-12)
     extra = 0.0
-    eye = np.eye(h.shape[-1], dtype=np.float32)
     for _ in range(MAX_DAMP_RETRIES):
-        hm = mx.array(h + extra * eye)
+        hm = mx.array(h)
+        if extra:
+            hm = hm + extra * mx.eye(h.shape[-1], dtype=mx.float32)
+        # one step at a time, each input dropped when used: at most two k x k results alive besides h
         lower = mx.linalg.cholesky(hm, stream=mx.cpu)
+        mx.eval(lower)
+        del hm
         inv = mx.linalg.cholesky_inv(lower, stream=mx.cpu)
+        mx.eval(inv)
+        del lower
         upper = mx.linalg.cholesky(inv, upper=True, stream=mx.cpu)
+        mx.eval(upper)
+        del inv
         u = np.array(upper)
+        del upper
         d = np.einsum("bii->bi", u)
         if np.all(np.isfinite(u)) and np.all(d > 0):
             return u, extra
@@ -142,8 +152,9 @@ def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: floa
     g = np.asarray(gram, dtype=np.float32)
     g = g[None] if g.ndim == 2 else g
     seq = np.asarray(sequence, dtype=np.int64)
-    h, lam = damped_hessian(g[:, seq][:, :, seq], damp)
+    h, lam = damped_hessian(np.take(np.take(g, seq, axis=1), seq, axis=2), damp, copy=False)  # a fresh copy
     u, extra = inverse_cholesky_upper(h)
+    del h
     return HessianFactor(seq, u, float(damp), lam, extra)
 
 
