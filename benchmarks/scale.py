@@ -173,8 +173,9 @@ def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, 
 
 
 def hot_loop(s: dict, flops: float) -> dict:
-    """GPTQ's column loop on one ``hidden x hidden`` tensor of this shape (Hessian factor cached): seconds and
-    FLOP/s, counting ``out x in^2 / 2`` multiply-adds (the triangular updates) against a plain matmul."""
+    """GPTQ alone on one ``hidden x hidden`` tensor of this shape (Hessian factor cached; the column loop,
+    the lazy updates and the per-group scale search): seconds and FLOP/s, counting ``out x in^2 / 2``
+    multiply-adds (the triangular updates) against a plain matmul."""
     import mlx.core as mx
 
     from mlx_dq.options import QuantOption
@@ -226,7 +227,7 @@ def main() -> None:
     ap.add_argument("--code", default=str(ROOT), help="folder holding the mlx_dq package to run (before/after)")
     ap.add_argument("--keep", default=None, help="build the models in this folder and keep them")
     ap.add_argument("--sample-rows", type=int, default=None, help="measure's --sample-rows (default: its default)")
-    ap.add_argument("--no-hot-loop", action="store_true", help="skip timing GPTQ's column loop alone")
+    ap.add_argument("--no-hot-loop", action="store_true", help="skip timing GPTQ alone on one tensor")
     args = ap.parse_args()
     from mlx_dq.estimate import matmul_flops
 
@@ -299,7 +300,7 @@ def main() -> None:
                 res["convert"] = {k: v for k, v in conv.items() if k != "rss"}
             if not args.no_hot_loop:
                 hl = hot_loop(s, flops)
-                print(f"GPTQ column loop alone on a {hl['tensor'][0]} x {hl['tensor'][1]} tensor (factor cached): "
+                print(f"GPTQ alone on a {hl['tensor'][0]} x {hl['tensor'][1]} tensor (factor cached): "
                       f"{hl['seconds']:.2f} s, {hl['flops'] / 1e9:.1f} GFLOP/s = {hl['of_matmul']:.0%} of matmul")
                 res["hot_loop"] = hl
             results["shapes"][name] = res
