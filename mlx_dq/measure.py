@@ -399,7 +399,7 @@ def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, met
             wq_all[..., sl, :] = wq  # in place: the array's only reference
             mx.eval(wq_all)
         if acc is not None:
-            acc.add(sl, wq)
+            acc.add(i, sl, wq)
         del qt, wq
     err, werr = meter.result(onum, wnum)
     stats = {}
@@ -544,12 +544,11 @@ class _LookupBlocks:
     def __init__(self, head: "_HeadBlockKL", meter: _ErrorMeter, importance: float, parts: list[float]):
         self.head, self.meter, self.importance, self.parts = head, meter, importance, parts
         self.sums = [0.0, 0.0]
-        self.starts = [b.start for b in meter.blocks or [slice(0, None)]]
 
-    def add(self, sl: slice, wq: mx.array) -> None:
-        """Rows ``sl`` quantized to ``wq`` (the measurer's row blocks, which are the meter's)."""
-        self.head.add(sl, wq)
-        o, w_ = self.meter.partial(self.starts.index(sl.start or 0), wq)
+    def add(self, i: int, sl: slice, wq: mx.array) -> None:
+        """Row block ``i`` (rows ``sl``; the measurer's row blocks are the meter's) quantized to ``wq``."""
+        self.head.add(i, sl, wq)
+        o, w_ = self.meter.partial(i, wq)
         self.sums = [self.sums[0] + o, self.sums[1] + w_]
 
     def value(self) -> float:
@@ -656,8 +655,8 @@ class _HeadBlockKL:
         self.lse_q = [mx.full(x.shape, -mx.inf, dtype=mx.float32) for x in self.lse_ref]
         self.zeros = mx.zeros_like(head.tokens)  # the lookup's output is replaced; ids must fit the stacked rows
 
-    def add(self, sl: slice, wq: mx.array) -> None:
-        """Account for vocabulary rows ``sl`` quantized to ``wq``."""
+    def add(self, i: int, sl: slice, wq: mx.array) -> None:
+        """Account for vocabulary rows ``sl`` (row block ``i``) quantized to ``wq``."""
         w, h = self.mod.weight, self.head
         n = int(wq.shape[0])
         self.mod.weight = mx.concatenate([w[sl], wq.astype(w.dtype)])

@@ -124,9 +124,9 @@ def test_head_in_row_blocks_equals_one_piece(big_vocab, grid_file, monkeypatch, 
     added, assembled = [], []
     orig_add, orig_blocks = measure_mod._HeadBlockKL.add, measure_mod._measure_in_blocks
 
-    def add(self, sl, wq):
+    def add(self, i, sl, wq):
         added.append(int(wq.shape[0]))
-        return orig_add(self, sl, wq)
+        return orig_add(self, i, sl, wq)
 
     def in_blocks(*a, **k):
         wq = orig_blocks(*a, **k)
@@ -176,8 +176,8 @@ def test_head_block_kl_equals_the_swapped_head(tmp_path, model_type):
     wq = quantize_weight(w, QuantOption.parse("1.0:2b_64g"), clip=False).dequantize(mx.float32)
     direct = head.damage_fn(mod)(wq)
     acc = head.damage_fn(mod).blocks()
-    for sl in (slice(0, 250), slice(250, 251), slice(251, 700)):
-        acc.add(sl, wq[sl])
+    for i, sl in enumerate((slice(0, 250), slice(250, 251), slice(251, 700))):
+        acc.add(i, sl, wq[sl])
     assert direct > 0.01
     assert acc.value() == pytest.approx(direct, rel=1e-4)
     assert mx.array_equal(mod.weight, w)  # the original weight is back
