@@ -3,8 +3,9 @@
 The work is counted in multiply-adds from the tensor shapes (the skeleton is
 built lazily: MLX arrays are never evaluated), turned into time with the
 machine's float32 matmul rate (timed here in a fraction of a second, or given),
-and the peak memory and disk follow the streaming design: one decoder layer in
-float32, the calibration rows' hidden states, the embedding/head in float32,
+and the peak memory and disk follow the streaming design: the calibration rows'
+hidden states, plus the larger of two stages: one decoder layer in float32 (the
+embedding and head released meanwhile), or the embedding/head in float32 with
 the head's logits ``HEAD_CHUNK`` positions at a time and the head-KL reference
 cache. The time is a floor (matmul-bound work at the plain-matmul rate): the
 quantizers' bookkeeping makes real runs slower; ``TIME_FACTOR`` is the ratio
@@ -176,17 +177,25 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
-    block = max([_block_numel(s) for t in layers for _, s in t] + [_block_numel(s) for _, s in other])
     one_block = [_numel(s) for _, s in heads if row_blocks(s) is None]
     if kl_scale and one_block:  # a head of one row block: its KL swaps in a whole dequantized float32 copy
         head_extra += 4 * max(one_block)
-    peak = BASE_RSS + other_f32 + 2 * 4 * biggest_layer + states + QUANT_COPIES * 4 * block + logits + head_extra \
-        + (CLIP_SEARCH_BYTES if method == "gptq" else 0)  # measuring RTN scores its options per Gram block
+    peak = BASE_RSS + states + (CLIP_SEARCH_BYTES if method == "gptq" else 0) \
+        + _stage_peak(layers, other, biggest_layer, other_f32 + logits + head_extra)  # RTN: options per Gram block
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON
     seconds = TIME_FACTOR * 2 * macs / f + FIXED_S + OPTION_S.get(method, 0.3) * n_meas
     return Estimate("measure", macs=macs, measurements=n_meas, seconds=seconds, peak_bytes=peak,
                     disk_bytes=int(disk), flops=f,
                     detail={"layers": len(layers), "tokens": tokens, "vocab": vocab, "largest_tensor": largest})
+
+
+def _stage_peak(layers: list, other: list, biggest_layer: int, outside_bytes: int) -> int:
+    """Bytes of the larger stage: a decoder layer (the embedding and head released) or the embedding/head stage."""
+    def block(shapes: list) -> int:
+        return QUANT_COPIES * 4 * max([_block_numel(s) for _, s in shapes] + [0])
+
+    layer_stage = 2 * 4 * biggest_layer + max([block(t) for t in layers] + [0])
+    return max(layer_stage, outside_bytes + block(other))
 
 
 KL_STATE = 8  # perturbed copies of the importance rows carried for the KL scale (KL_SAMPLE_LAYERS)
@@ -224,9 +233,8 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         measurement_bytes = JSON_BYTES_PER_OPTION * n_opts
     disk = quant_params * bits / 8 + (total_params - quant_params) * 2 + _side_bytes(source) \
         + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
-    block = max([_block_numel(s) for t in layers for _, s in t] + [_block_numel(s) for _, s in other])
-    peak = BASE_RSS + sum(4 * _numel(s) for _, s in other) + 2 * 4 * biggest_layer + 4 * tokens * hidden * 2 \
-        + QUANT_COPIES * 4 * block + CLIP_SEARCH_BYTES + 4 * 128 * vocab * 2
+    peak = BASE_RSS + 4 * tokens * hidden * 2 + CLIP_SEARCH_BYTES \
+        + _stage_peak(layers, other, biggest_layer, sum(4 * _numel(s) for _, s in other) + 4 * 128 * vocab * 2)
     if meas is not None:
         peak = max(peak, meas.peak_bytes)
     est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,

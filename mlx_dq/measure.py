@@ -40,8 +40,10 @@ lands on the logits. So for up to ``KL_SAMPLE_LAYERS`` decoder layers spread
 over the depth, the layer's output with all its tensors at the reference
 option is carried on through the remaining layers (one extra pass of the
 importance rows per carried copy, still one layer in memory) and turned into
-a KL divergence at the end; ``sum(KL) / sum(predicted damage)`` rescales every
-importance to nats. The head (or tied embedding/head) is measured end to end:
+a KL divergence at the end; each sampled layer's ``KL / predicted damage``,
+interpolated log-linearly over the depth (:func:`depth_kl_scales`), rescales
+the importances of every layer to nats (``sum(KL) / sum(predicted)``, the
+common scale, is kept for the record and prices the tied lookup side). The head (or tied embedding/head) is measured end to end:
 each option's KL on the importance rows is stored as its ``damage``, which the
 optimizer uses as is. With ``sample_rows`` (the default) only two anchor
 options are run through the head (:func:`head_anchors`); the others' damage is
@@ -96,7 +98,7 @@ from .capture import GramCollector, InputStats, iter_batches, quantizable_module
 from .measurement import Measurement, TensorRecord, load_measurement, save_measurement
 from .options import QuantOption
 from .grids import load_grid
-from .names import role_of
+from .names import layer_index, role_of
 from .quant import output_error, quantize_weight, relative_error
 from .quantize import (METHODS, option_quantizer, quantize_tensor, row_blocks,  # noqa: F401  (METHODS re-exported)
                        tensor_work)
@@ -885,6 +887,7 @@ def _embed(run: _Run) -> None:
     run.embed_importance = float((h0 * h0).sum().item()) / robust_energy(h0)  # lookup damage: err**2 of the total
     if run.hidden is None:
         run.hidden = runner.join(firsts)
+    runner.free_outside()  # back for the head stage
 
 
 def _measure_layer(run: _Run, i: int) -> None:
@@ -1012,14 +1015,33 @@ def _kl_scale(run: _Run, head_kl: "_HeadKL") -> float:
     pred = sum(x["predicted"] for x in info["samples"])
     info["scale"] = sum(x["kl"] for x in info["samples"]) / pred if pred > 0 else 1.0
     scale = info["scale"]
+    by_layer = depth_kl_scales(info["samples"], range(len(run.runner.layers)), scale)
+    info["depth"] = "log-linear between the sampled layers' KL / predicted damage"
     for rec in run.m.tensors.values():
-        rec.importance *= scale
+        rec.importance *= by_layer.get(layer_index(rec.key), scale)
     return scale
+
+
+def depth_kl_scales(samples: Sequence[dict], layers: Sequence[int], default: float) -> dict[int, float]:
+    """Per decoder layer: KL per unit of predicted damage, log-linear between the sampled layers, flat beyond.
+
+    Why: what a layer's perturbation costs at the logits depends on its depth. One scale for the whole
+    model priced Gemma-3-270M's last layers 10-26x too cheap (the sampled layers' KL / predicted ratios
+    span 0.37..26 of the common scale), so a 3.5 bpw plan put its last five layers at 2 bits. Samples
+    without a positive KL and prediction are left out; with none left every layer gets ``default``.
+    """
+    pts = sorted((x["layer"], math.log(x["kl"] / x["predicted"])) for x in samples
+                 if x.get("kl", 0) > 0 and x.get("predicted", 0) > 0)
+    if not pts:
+        return {i: default for i in layers}
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    return {i: float(math.exp(np.interp(i, xs, ys))) for i in layers}
 
 
 def _measure_head(run: _Run) -> None:
     """Head and embedding: the final hidden states through the model's own norm and head."""
     s, m, model, tokens, share = run.s, run.m, run.runner.net, run.tokens, run.runner.share
+    run.runner.load_outside()
     head_mods = {p: mod for p, mod in run.runner.outside_modules().items() if role_of(p) is not None}
     nlls = []
     dist.set_stage("head")

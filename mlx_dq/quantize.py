@@ -285,6 +285,7 @@ def quantize_stream(
     _check_plan_names(runner, options, source)
     runner.load_outside()
     hidden = runner.join(runner.probe())
+    runner.free_outside()  # back for the last part
     layers, prefix = runner.layers, runner.prefix
     bar = tqdm(total=len(layers) + 1, desc="quantize", unit="layer", disable=not (progress and dist.is_root()))
     for i, layer in enumerate(layers):
@@ -306,6 +307,7 @@ def quantize_stream(
         bar.update(1)
         if _fail_after_layer is not None and i == _fail_after_layer:
             raise RuntimeError(f"simulated interruption after layer {i}")
+    runner.load_outside()
     yield _quantize_outside(runner, hidden, options, how)
     bar.update(1)
     bar.close()

@@ -367,6 +367,13 @@ def test_kl_scale_matches_whole_model_kl(folders, grid_file):
     assert [s["layer"] for s in info["samples"]] == [0, 1, 2]
     pred = sum(s["predicted"] for s in info["samples"])
     assert info["scale"] == pytest.approx(sum(s["kl"] for s in info["samples"]) / pred)
+    for sample in info["samples"]:  # every sampled layer is priced by its own KL per predicted damage
+        recs = [t for k, t in m.tensors.items() if k.startswith(f"model.layers.{sample['layer']}.")]
+        assert recs
+        for t in recs:
+            d = t.extra["importance_detail"]
+            raw = d["damage"] / d["err"] ** 2
+            assert t.importance == pytest.approx(raw * sample["kl"] / sample["predicted"], rel=1e-6)
     src = resolve(str(folder))
     model = src.model(mx.float32)
     tokens = _tokens(folder, 4, 48)[:2]
@@ -391,6 +398,19 @@ def test_kl_scale_matches_whole_model_kl(folders, grid_file):
     by_bits = sorted(head.options, key=lambda o: o.bpw)
     assert by_bits[0].damage > by_bits[-1].damage
     assert all(o.damage is None for k, t in m.tensors.items() if k != "lm_head" for o in t.options)
+
+
+def test_depth_kl_scales_interpolate_between_samples():
+    """Layers between sampled ones get the log-linear mean of their ratios, layers beyond get the nearest's."""
+    from mlx_dq.measure import depth_kl_scales
+
+    samples = [{"layer": 1, "kl": 0.2, "predicted": 0.1}, {"layer": 5, "kl": 0.8, "predicted": 0.1},
+               {"layer": 3, "kl": 0.0, "predicted": 0.1}]  # no KL: left out
+    got = depth_kl_scales(samples, range(7), default=9.0)
+    assert got[0] == pytest.approx(2.0) and got[1] == pytest.approx(2.0)
+    assert got[3] == pytest.approx(4.0)  # geometric mean of 2 and 8
+    assert got[5] == pytest.approx(8.0) and got[6] == pytest.approx(8.0)
+    assert depth_kl_scales(samples[2:], range(3), default=9.0) == {0: 9.0, 1: 9.0, 2: 9.0}
 
 
 def test_tied_head_damage_counts_both_sides(tmp_path, grid_file):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import pytest
 
 from fixtures_models import random_weights, save_tokenizer, tiny_config
@@ -398,3 +399,58 @@ def test_written_error_in_row_blocks_equals_one_piece(monkeypatch, desc):
     got = writer._output_error(qt, w, gram)
     assert len(seen) == 4
     assert got == pytest.approx(whole, rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file, monkeypatch, kind):
+    """While the decoder layers are measured the embedding and head are released, then back for the head stage."""
+    held: list[int] = []
+    orig = measure_mod._measure_layer
+
+    def spy(run, i):
+        held.append(sum(int(p.size) for mod in run.runner.outside_modules().values()
+                        for _, p in tree_flatten(mod.parameters())))
+        return orig(run, i)
+
+    monkeypatch.setattr(measure_mod, "_measure_layer", spy)
+    m = _run(big_vocab[kind], grid_file)
+    assert held == [0]
+    head = "model.embed_tokens" if kind == "tied" else "lm_head"
+    assert m.tensors[head].shape[0] == BIG_VOCAB and all(o.damage is not None for o in m.tensors[head].options)
+    monkeypatch.setattr(measure_mod, "_measure_layer", orig)
+    monkeypatch.setattr(measure_mod.LayerRunner, "free_outside", lambda self: None)
+    _assert_same(m, _run(big_vocab[kind], grid_file))
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_converter_releases_embedding_and_head_through_the_layers(big_vocab, monkeypatch, kind):
+    """The conversion holds no embedding or head while it quantizes the layers; the result is the same."""
+    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.calib import calibration_rows
+    from mlx_dq.options import QuantOption
+    from mlx_dq.sources import resolve
+
+    src = resolve(str(big_vocab[kind]))
+    _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
+    head = "lm_head" if kind == "untied" else "model.embed_tokens"
+    options = {head: QuantOption.uniform(4, 32), "model.layers.0.mlp.down_proj": QuantOption.uniform(3, 64)}
+    held: list[int] = []
+    orig = quantize_mod.LayerRunner.forward
+
+    def forward(self, i, hidden, col):
+        held.append(sum(int(p.size) for mod in self.outside_modules().values()
+                        for _, p in tree_flatten(mod.parameters())))
+        return orig(self, i, hidden, col)
+
+    def parts() -> dict[str, mx.array]:
+        out = list(quantize_mod.quantize_stream(src, options, tokens, progress=False, batch_size=2))
+        return {t.path: t.qt.dequantize(mx.float32) for p in out for t in p.tensors}
+
+    monkeypatch.setattr(quantize_mod.LayerRunner, "forward", forward)
+    got = parts()
+    assert held and set(held) == {0}
+    monkeypatch.setattr(quantize_mod.LayerRunner, "free_outside", lambda self: None)
+    want = parts()
+    assert set(got) == set(want) and set(options) <= set(got)
+    for k in got:
+        assert mx.array_equal(got[k], want[k]), k
