@@ -1059,8 +1059,12 @@ def _measure_head(run: _Run) -> None:
     head_kl = _HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
     scale = _kl_scale(run, head_kl) if run.kl_scale else 1.0
     owner = _share_options(run, head_mods)
-    head_recs = [_measure_head_tensor(run, path, mod, head_col, head_kl, scale, owner)
-                 for path, mod in head_mods.items()]
+    head_recs = [None] * len(head_mods)
+    lookup_first = sorted(enumerate(head_mods.items()), key=lambda x: head_col.stats.get(x[1][0]) is not None)
+    for k, (path, mod) in lookup_first:  # an untied embedding first, then released: the head needs the room
+        head_recs[k] = _measure_head_tensor(run, path, mod, head_col, head_kl, scale, owner)
+        if head_col.stats.get(path) is None:
+            _release_table(mod)
     if owner:
         merged = dist.gather_layer([r for r, _, _ in head_recs], {}, {}, owner, list(head_mods))[0]
         head_recs = [(r, mod, fn) for r, (_, mod, fn) in zip(merged, head_recs)]
@@ -1072,6 +1076,11 @@ def _measure_head(run: _Run) -> None:
                 rec.importance = ref_rec.damage / ref_rec.err**2  # for reports; the optimizer uses the damage
         m.tensors[path] = rec
     del head_kl
+
+
+def _release_table(mod: nn.Module) -> None:
+    """Replace an embedding's table by a zero view of its shape (no memory): the head's calls still embed tokens."""
+    mod.weight = mx.broadcast_to(mx.zeros((1, mod.weight.shape[-1]), mx.float32), mod.weight.shape)
 
 
 def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCollector, head_kl: Any,

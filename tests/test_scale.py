@@ -403,7 +403,7 @@ def test_written_error_in_row_blocks_equals_one_piece(monkeypatch, desc):
 
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file, monkeypatch, kind):
-    """While the decoder layers are measured the embedding and head are released, then back for the head stage."""
+    """The embedding and head are released while the layers run; an untied embedding also before the head's options."""
     held: list[int] = []
     orig = measure_mod._measure_layer
 
@@ -412,13 +412,25 @@ def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file
                         for _, p in tree_flatten(mod.parameters())))
         return orig(run, i)
 
+    embed_max: list[float] = []
+    orig_head = measure_mod._measure_head_tensor
+
+    def head_spy(run, path, mod, *a):
+        if path == "lm_head":  # an untied embedding is measured first, then replaced by a zero view
+            embed_max.append(float(mx.abs(run.runner.net.model.embed_tokens.weight).max()))
+        return orig_head(run, path, mod, *a)
+
     monkeypatch.setattr(measure_mod, "_measure_layer", spy)
+    monkeypatch.setattr(measure_mod, "_measure_head_tensor", head_spy)
     m = _run(big_vocab[kind], grid_file)
     assert held == [0]
+    assert embed_max == ([0.0] if kind == "untied" else [])
     head = "model.embed_tokens" if kind == "tied" else "lm_head"
     assert m.tensors[head].shape[0] == BIG_VOCAB and all(o.damage is not None for o in m.tensors[head].options)
     monkeypatch.setattr(measure_mod, "_measure_layer", orig)
     monkeypatch.setattr(measure_mod.LayerRunner, "free_outside", lambda self: None)
+    monkeypatch.setattr(measure_mod, "_release_table", lambda mod: None)
+    monkeypatch.setattr(measure_mod, "_measure_head_tensor", orig_head)
     _assert_same(m, _run(big_vocab[kind], grid_file))
 
 
