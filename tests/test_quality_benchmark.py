@@ -47,6 +47,9 @@ def test_goal_status_compares_the_right_rows(quality):
     status = {(g["target"], g["family"]): g for g in quality.goal_status(compat)}
     assert status[(3.5, "mlx-dq --mlx-lm-compatible")]["met"] is None  # its 3.5 row is missing
     assert status[(4.0, "mlx-dq --mlx-lm-compatible")]["met"] is False
+    above = _rows(0.3, 0.2, 0.4, 0.25, 0.22) + [_row("t", "mlx-lm GPTQ", "mlx-lm GPTQ 4-bit g64, embedding 8-bit", 5.75, 0.1)]
+    status = {(g["target"], g["family"]): g for g in quality.goal_status(above)}
+    assert status[(4.0, "mlx-dq")]["lm"]["method"].startswith("mlx-lm AWQ")  # 5.75 bpw is not a 4-bit method's range
     missed = {(g["target"], g["family"]): g for g in quality.goal_status(_rows(0.5, 0.23, 0.4, 0.25, 0.22))}
     assert missed[(3.5, "mlx-dq")]["met"] is False and missed[(4.0, "mlx-dq")]["met"] is False
 
@@ -89,9 +92,9 @@ def test_benchmark_scores_each_row_on_each_text(quality, tiny_llama, tmp_path):
     assert "## Text: pydoc" in md and "## Text: dialog" in md
     summary, tables = md.split("## Text: ", 1)  # the summary of every goal comes first, then one section per text
     assert "Goals per text, worst text first" in summary
-    assert tables.count("| 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ or AWQ) | mlx-dq @4 |") == 2
+    assert tables.count("| 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ or AWQ, at most 5 bpw) | mlx-dq @4 |") == 2
     for text in ("pydoc", "dialog"):  # the summary: one row per text and goal
-        assert summary.count(f"| {text} | 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ or AWQ) | mlx-dq @4 |") == 1
+        assert summary.count(f"| {text} | 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ or AWQ, at most 5 bpw) | mlx-dq @4 |") == 1
     ratio = {t: float(by[(t, "mlx-dq @4")]["kl"]) / min(float(r["kl"]) for (tt, m), r in by.items()
                                                       if tt == t and ("GPTQ" in m or "AWQ" in m))
              for t in ("pydoc", "dialog")}
