@@ -43,10 +43,11 @@ importance rows per carried copy, still one layer in memory) and turned into
 a KL divergence at the end; each sampled layer's ``KL / predicted damage``,
 interpolated log-linearly over the depth (:func:`depth_kl_scales`), rescales
 the importances of every layer to nats (``sum(KL) / sum(predicted)``, the
-common scale, is kept for the record and prices the tied lookup side). The head (or tied embedding/head) is measured end to end:
-each option's KL on the importance rows is stored as its ``damage``, which the
-optimizer uses as is. With ``sample_rows`` (the default) only two anchor
-options are run through the head (:func:`head_anchors`); the others' damage is
+common scale, is kept for the record and prices the tied lookup side). The
+head (or tied embedding/head) is measured end to end: each option's KL on the
+importance rows is stored as its ``damage``, which the optimizer uses as is.
+With ``sample_rows`` (the default) only two anchor options are run through the
+head (:func:`head_anchors`); the others' damage is
 the anchor's KL per squared output error times their own squared error on a
 row sample (on SmolLM2-135M within -8%..+3% of the measured KL, the same plan
 and byte-identical weights at 3.5 bpw). Why measure the head end to end: on
