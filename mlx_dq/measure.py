@@ -107,8 +107,8 @@ from .safety import check_finite_weight
 from .threads import thread_map
 from .sources import resolve
 from .settings import IMPORTANCE_MODES, MeasureSettings  # noqa: F401  (IMPORTANCE_MODES re-exported)
-from .runner import (HEAD_CHUNK, LayerRunner, align_to_source, free_module, head_logits, layer_prefix,  # noqa: F401
-                     load_into, position_chunks, probe_layers)
+from .runner import (HEAD_CHUNK, LayerRunner, align_to_source, free_module, free_table, head_logits,  # noqa: F401
+                     layer_prefix, load_into, position_chunks, probe_layers)
 
 DEFAULT_ROWS = MeasureSettings.rows  # the defaults live in mlx_dq.settings; these names stay for scripts
 DEFAULT_SEQ_LEN = MeasureSettings.seq_len
@@ -1060,12 +1060,13 @@ def _measure_head(run: _Run) -> None:
     head_kl = _HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
     scale = _kl_scale(run, head_kl) if run.kl_scale else 1.0
     owner = _share_options(run, head_mods)
-    head_recs = [None] * len(head_mods)
-    lookup_first = sorted(enumerate(head_mods.items()), key=lambda x: head_col.stats.get(x[1][0]) is not None)
-    for k, (path, mod) in lookup_first:  # an untied embedding first, then released: the head needs the room
-        head_recs[k] = _measure_head_tensor(run, path, mod, head_col, head_kl, scale, owner)
-        if head_col.stats.get(path) is None:
-            _release_table(mod)
+    lookup_only = [p for p in head_mods if head_col.stats.get(p) is None]  # an untied embedding: measured first,
+    recs = {}  # then released, so the head's options have the room
+    for path in lookup_only + [p for p in head_mods if p not in lookup_only]:
+        recs[path] = _measure_head_tensor(run, path, head_mods[path], head_col, head_kl, scale, owner)
+        if path in lookup_only:
+            free_table(head_mods[path])
+    head_recs = [recs[p] for p in head_mods]
     if owner:
         merged = dist.gather_layer([r for r, _, _ in head_recs], {}, {}, owner, list(head_mods))[0]
         head_recs = [(r, mod, fn) for r, (_, mod, fn) in zip(merged, head_recs)]
@@ -1077,11 +1078,6 @@ def _measure_head(run: _Run) -> None:
                 rec.importance = ref_rec.damage / ref_rec.err**2  # for reports; the optimizer uses the damage
         m.tensors[path] = rec
     del head_kl
-
-
-def _release_table(mod: nn.Module) -> None:
-    """Replace an embedding's table by a zero view of its shape (no memory): the head's calls still embed tokens."""
-    mod.weight = mx.broadcast_to(mx.zeros((1, mod.weight.shape[-1]), mx.float32), mod.weight.shape)
 
 
 def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCollector, head_kl: Any,

@@ -79,6 +79,11 @@ def free_module(module: nn.Module) -> None:
     module.update(tree_map(lambda _: mx.zeros((0,), dtype=mx.float32), module.parameters()))
 
 
+def free_table(module: nn.Module) -> None:
+    """Replace an embedding's table by a zero view of its shape (no memory): calls still embed tokens (as zeros)."""
+    module.weight = mx.broadcast_to(mx.zeros((1, module.weight.shape[-1]), mx.float32), module.weight.shape)
+
+
 def probe_layers(model: nn.Module, tokens: mx.array) -> tuple[mx.array, list[tuple[tuple, dict]]]:
     """Run ``model`` on ``tokens`` up to its first decoder layer and record every layer's call.
 

@@ -429,7 +429,7 @@ def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file
     assert m.tensors[head].shape[0] == BIG_VOCAB and all(o.damage is not None for o in m.tensors[head].options)
     monkeypatch.setattr(measure_mod, "_measure_layer", orig)
     monkeypatch.setattr(measure_mod.LayerRunner, "free_outside", lambda self: None)
-    monkeypatch.setattr(measure_mod, "_release_table", lambda mod: None)
+    monkeypatch.setattr(measure_mod, "free_table", lambda mod: None)
     monkeypatch.setattr(measure_mod, "_measure_head_tensor", orig_head)
     _assert_same(m, _run(big_vocab[kind], grid_file))
 
