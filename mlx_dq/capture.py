@@ -101,6 +101,11 @@ class GramCollector:
                 mod.__class__ = self._saved.pop(path)
         self._pending.clear()
 
+    def release(self) -> None:
+        """Drop the accumulated Gram matrices (the other statistics stay), so their memory is freed."""
+        for st in self.stats.values():
+            st.gram = None
+
     def record(self, path: str, kind: str, x: mx.array, indices: mx.array | None = None) -> None:
         """Remember one input (called from the patched modules)."""
         self._pending.append(_Pending(path, kind, x, indices))

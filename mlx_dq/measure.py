@@ -350,13 +350,24 @@ def measure_tensor(
         damage = damage_fn(wq) if damage_fn is not None and damage is None else damage
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
         if opt in in_kept:
-            kept[opt.desc] = wq
+            kept[opt.desc] = compact_weight(wq)
         if timings is not None:
             timings[opt.desc] = time.perf_counter() - t_opt
     if rows_idx is not None:
         rec.extra["sampled_rows"] = int(rows_idx.shape[0])
     rec.extra.update(_input_facts(key, stats, lookup))
     return rec
+
+
+def compact_weight(wq: mx.array) -> mx.array:
+    """``wq`` in float16 when that holds it exactly (a dequantized weight with fp16 scales does), else as is.
+
+    Why: a layer's reference weights wait for the importance pass; at Llama-3-8B shapes they are
+    872 MB in float32."""
+    if wq.dtype != mx.float32:
+        return wq
+    half = wq.astype(mx.float16)
+    return half if mx.array_equal(half.astype(mx.float32), wq).item() else wq
 
 
 def _input_facts(key: str, stats: InputStats | None, lookup: InputStats | None) -> dict[str, Any]:
@@ -483,7 +494,7 @@ def residual_importance(
     for path, wq in refs.items():
         mod = mods[path]
         w = mod.weight
-        mod.weight = wq
+        mod.weight = wq = wq.astype(w.dtype)
         try:
             y = layer(h, *args, **kwargs)
             damage = float(((y - ref) ** 2).sum().item()) / energy
@@ -501,7 +512,7 @@ def _perturbed_output(layer: nn.Module, h: mx.array, call: tuple[tuple, dict], m
     saved = {p: mods[p].weight for p in refs}
     try:
         for p, wq in refs.items():
-            mods[p].weight = wq
+            mods[p].weight = wq.astype(saved[p].dtype)
         y = layer(h, *args, **kwargs).astype(mx.float32)
         mx.eval(y)
     finally:
@@ -906,6 +917,7 @@ def _measure_layer(run: _Run, i: int) -> None:
         run.carried[k] = layer(run.carried[k], *call0[0], **call0[1]).astype(mx.float32)
         mx.eval(run.carried[k])
     records, refs, owner, timings = _measure_options(run, mods, col)
+    col.release()  # the Grams are not read again: the importance pass collects its own (1 GB at Llama-3-8B shapes)
     t2 = time.perf_counter()
     _layer_importance(run, i, mods, records, refs, owner, timings)
     run.hidden = new_hidden
@@ -952,8 +964,8 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
         elif s.importance == "residual":
             if kept[ref.desc] is None:  # the reference is not one of the grid's options
                 gram = col.stats[path].gram
-                kept[ref.desc] = quantize_weight(mod.weight, ref, gram=gram.sum(0) if gram.ndim == 3 else gram,
-                                                 clip=run.clip).dequantize(mx.float32)
+                kept[ref.desc] = compact_weight(quantize_weight(
+                    mod.weight, ref, gram=gram.sum(0) if gram.ndim == 3 else gram, clip=run.clip).dequantize(mx.float32))
             refs[path] = kept[ref.desc]
             rec.extra["importance_ref"] = ref.desc
     return records, refs, owner, timings

@@ -316,3 +316,39 @@ def test_options_of_different_layouts_refused_in_one_pass(layer):
     bank = np.stack([w, w])
     with pytest.raises(ValueError, match="shared Hessian"):
         gptq_quantize_many(bank, [QuantOption.parse("1.0:4b_64g")] * 2, np.stack([gram, gram]))
+
+
+def test_factor_is_the_inverse_cholesky_in_little_memory():
+    """U^T U equals the damped, reordered H^-1; factorising holds at most two k x k MLX results besides the Gram."""
+    from mlx_dq.gptq import damped_hessian
+
+    k = 512
+    _, x = _problem(8, k, 2048, seed=3)
+    gram = mx.array(x.T @ x)
+    mx.eval(gram)
+    seq = np.random.default_rng(0).permutation(k)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    f = factor_hessian(gram, seq, 0.1)
+    grown = mx.get_peak_memory() - before
+    assert grown <= 2.2 * k * k * 4, grown / (k * k * 4)
+    h, _ = damped_hessian(np.asarray(gram)[np.ix_(seq, seq)][None], 0.1)
+    u = f.u[0].astype(np.float64)
+    assert np.allclose(np.triu(u), u) and np.all(np.diag(u) > 0)
+    inv = np.linalg.inv(h[0].astype(np.float64))
+    assert np.abs(u.T @ u - inv).max() <= 1e-4 * np.abs(inv).max()
+    assert f.u_mx is not None and np.shares_memory(np.asarray(f.u_mx), f.u)
+
+
+def test_group_parameters_in_row_chunks_equal_one_call(monkeypatch, layer):
+    """The scale search runs on bounded chunks of rows; rows are independent, so the parameters are the same."""
+    import mlx_dq.gptq as gq
+
+    w, _, gram = layer
+    wg = w.reshape(1, w.shape[0], -1, 32)
+    weight = np.diag(gram).reshape(1, 1, -1, 32).astype(np.float32)
+    whole = gq.choose_group_params(wg, 3, weight)
+    monkeypatch.setattr(gq, "PARAM_CHUNK", 7 * w.shape[1])  # 7 rows per call, a ragged last chunk
+    parts = gq.choose_group_params(wg, 3, weight)
+    for a, b in zip(whole, parts):
+        assert a.dtype == np.float16 and np.array_equal(a, b)

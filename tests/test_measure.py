@@ -455,3 +455,26 @@ def test_head_options_predicted_from_anchors_on_a_row_sample(tmp_path, grid_file
         assert 0.6 * o.damage < got < 1.6 * o.damage, (o.desc, got, o.damage)
     by_bits = sorted(f.options, key=lambda o: o.bpw)
     assert by_bits[0].damage > by_bits[-1].damage
+
+
+def test_reference_weights_wait_in_float16_only_when_exact():
+    """A dequantized weight (fp16 scales) is held in float16 for the importance pass; anything else stays float32."""
+    from mlx_dq.measure import compact_weight
+
+    w = mx.random.normal((64, 128), key=mx.random.key(0))
+    wq = quantize_weight(w, QuantOption.parse("1.0:4b_64g")).dequantize(mx.float32)
+    half = compact_weight(wq)
+    assert half.dtype == mx.float16 and mx.array_equal(half.astype(mx.float32), wq).item()
+    assert compact_weight(w).dtype == mx.float32  # random float32 values do not fit float16 exactly
+
+
+def test_collector_release_drops_the_grams():
+    from mlx_dq.capture import GramCollector
+
+    lin = nn.Linear(16, 8)
+    with GramCollector({"lin": lin}) as col:
+        lin(mx.random.normal((4, 16)))
+        col.flush()
+    assert col.stats["lin"].gram is not None
+    col.release()
+    assert col.stats["lin"].gram is None and col.stats["lin"].rows == 4
