@@ -315,14 +315,17 @@ def measure_tensor(
     check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
+    counts = lookup.token_counts if lookup is not None and gram is None else None
     if sample is None and gram is not None and damage_fn is None:
         sample = output_row_sample(key, w, gram, sample_rows)
+    elif sample is None and counts is not None and damage_fn is None and not kept:
+        sample = looked_up_rows(counts)
     rows_idx, row_weights = sample if sample is not None else (None, None)
     w_full = w
     if rows_idx is not None:
         w = w[rows_idx]
-    meter = _ErrorMeter(w, gram, lookup.token_counts if lookup is not None and gram is None else None,
-                         row_weights)
+        counts = counts[np.asarray(rows_idx)] if counts is not None else None
+    meter = _ErrorMeter(w, gram, counts, row_weights)
     rec = TensorRecord(key, shape, role=role)
     fitting = fitting_options(options, shape[-1])
     if only is not None:
@@ -368,6 +371,14 @@ def compact_weight(wq: mx.array) -> mx.array:
         return wq
     half = wq.astype(mx.float16)
     return half if mx.array_equal(half.astype(mx.float32), wq).item() else wq
+
+
+def looked_up_rows(counts: np.ndarray) -> tuple[mx.array, None] | None:
+    """The rows of a lookup table that the calibration tokens use, when not all of them: the lookup error is
+    theirs alone (a row never looked up has weight 0), so its options are quantized and metered on those rows
+    (about 3% of a 128k vocabulary for 4,096 tokens); the weight error is then theirs too."""
+    used = np.flatnonzero(counts > 0)
+    return (mx.array(used.astype(np.int32)), None) if 0 < used.size < counts.size else None
 
 
 def _input_facts(key: str, stats: InputStats | None, lookup: InputStats | None) -> dict[str, Any]:

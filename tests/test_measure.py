@@ -478,3 +478,22 @@ def test_collector_release_drops_the_grams():
     assert col.stats["lin"].gram is not None
     col.release()
     assert col.stats["lin"].gram is None and col.stats["lin"].rows == 4
+
+
+def test_lookup_table_measured_on_its_looked_up_rows_only():
+    """An untied embedding's options are metered on the rows the tokens use: the same lookup errors as on every row."""
+    from mlx_dq.capture import InputStats
+    from mlx_dq.measure import measure_tensor
+
+    w = mx.random.normal((300, 64), key=mx.random.key(1))
+    counts = np.zeros(300)
+    counts[[3, 7, 7, 250, 299]] = [2, 5, 1, 1, 3]
+    lookup = InputStats(group=("emb",), rows=12, token_counts=counts)
+    opts = [QuantOption.parse(d) for d in ("1.0:2b_32g", "1.0:4b_64g", "0.5:4b_32g/0.5:3b_32g")]
+    rec = measure_tensor("emb", w, opts, None, "embedding", lookup=lookup, clip=True)
+    assert rec.extra["sampled_rows"] == 4
+    for o, r in zip(opts, rec.options):
+        wq = quantize_weight(w, o, clip=True).dequantize(mx.float32)
+        c = mx.array(counts.astype(np.float32))[:, None]
+        want = float(mx.sqrt((c * (wq - w) ** 2).sum() / (c * w * w).sum()).item())
+        assert abs(r.err - want) <= 1e-5 * want, (o.desc, r.err, want)
