@@ -462,7 +462,8 @@ def gptq_core(
     g_start = np.array([g0 for g0, _, _ in groups])
     per_bank = len(options) > 1
 
-    ws = w[:, :, order]  # storage order
+    identity = np.array_equal(order, np.arange(k))
+    ws = w if identity else w[:, :, order]  # storage order (a view when it is the original order)
     gram = np.asarray(gram, dtype=np.float32)
     energy = np.einsum("bii->bi", gram)[:, order].copy()  # undamped diag(H), storage order [Bg, k]
     porder = np.arange(k) if process_order is None else np.asarray(process_order)
@@ -513,7 +514,7 @@ def gptq_core(
 
     # [B, k, R] in processing order: the columns not yet reached live in MLX (the lazy block updates, most of
     # GPTQ's multiply-adds, run there, on the default device); each block's columns come back to numpy
-    rest = mx.array(np.ascontiguousarray(ws[:, :, porder].transpose(0, 2, 1)))
+    rest = mx.array(ws[:, :, porder]).transpose(0, 2, 1)  # one copy, read as a transposed view
     del ws  # the storage-order copy is not read again
     u_mx = factor.u_mx if factor.u_mx is not None else mx.array(u)
     codes = np.zeros((nb, k, rows), dtype=np.uint8)

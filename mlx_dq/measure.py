@@ -101,8 +101,8 @@ from .options import QuantOption
 from .grids import load_grid
 from .names import layer_index, role_of
 from .quant import output_error, quantize_weight, relative_error
-from .quantize import (METHODS, option_quantizer, quantize_tensor, row_blocks,  # noqa: F401  (METHODS re-exported)
-                       tensor_work)
+from .quantize import (METHODS, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
+                       quantize_tensor, row_blocks, tensor_work)
 from .safety import check_finite_weight
 from .threads import thread_map
 from .sources import resolve
@@ -316,15 +316,12 @@ def measure_tensor(
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
     counts = lookup.token_counts if lookup is not None and gram is None else None
-    if sample is None and gram is not None and damage_fn is None:
-        sample = output_row_sample(key, w, gram, sample_rows)
-    elif sample is None and counts is not None and damage_fn is None and not kept:
-        sample = looked_up_rows(counts)
+    if sample is None and damage_fn is None:
+        sample = output_row_sample(key, w, gram, sample_rows) if gram is not None else \
+            looked_up_rows(counts) if counts is not None and not kept else None
     rows_idx, row_weights = sample if sample is not None else (None, None)
-    w_full = w
-    if rows_idx is not None:
-        w = w[rows_idx]
-        counts = counts[np.asarray(rows_idx)] if counts is not None else None
+    w_full, w = w, w if rows_idx is None else w[rows_idx]
+    counts = counts[np.asarray(rows_idx)] if counts is not None and rows_idx is not None else counts
     meter = _ErrorMeter(w, gram, counts, row_weights)
     rec = TensorRecord(key, shape, role=role)
     fitting = fitting_options(options, shape[-1])
@@ -341,13 +338,13 @@ def measure_tensor(
             wq, err, werr, clip_stats, damage = _measure_in_blocks(w, opt, gram, meter, method, clip, factors,
                                                                    damage_fn, keep=opt in in_kept)
         else:
-            if opt in in_kept:
-                qt = quantize_tensor(w_full, opt, gram, method=method, clip=clip, factor_cache=factors)
+            if opt in in_kept:  # every row, a block of rows at a time; dequantized in the scales' dtype (exact)
+                qt = quantize_rows(w_full, opt, gram, method=method, clip=clip, factor_cache=factors)
             else:
                 t_q = time.perf_counter()
                 qt, share = quantized(opt)
                 t_opt += (time.perf_counter() - t_q) - share  # this option's share of a batch's time
-            wq = qt.dequantize(mx.float32)
+            wq = qt.dequantize(qt.parts[0][1].dtype if opt in in_kept and qt.fp is None else mx.float32)
             err, werr = meter(wq[rows_idx] if rows_idx is not None and opt in in_kept else wq)
             clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
         damage = damage_fn(wq) if damage_fn is not None and damage is None else damage
