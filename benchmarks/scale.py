@@ -269,10 +269,10 @@ def main() -> None:
                 rows_out.append({"stage": f"layer {i}", "seconds": sec, "macs": macs, "peak_rss_mb": rss})
             head_s = marks[-1] - marks[len(lay) - 1]
             setup = meas["seconds"] - sum(lay) - head_s
-            heads = [k for k in meas["options"] if ".layers." not in k]
-            head_opts = sum(meas["options"][k] for k in heads)
-            hm = head_macs(s, tokens, imp_tokens, max(1, head_opts // max(1, len(heads))), args.method,
-                           sample_rows) * len(heads)
+            # the head's matmul work (an untied embedding is a lookup table: its options are elementwise work on
+            # the looked-up rows, no multiply-adds counted)
+            head = "lm_head" if "lm_head" in meas["options"] else "model.embed_tokens"
+            hm = head_macs(s, tokens, imp_tokens, meas["options"][head], args.method, sample_rows)
             rows_out.append({"stage": "head", "seconds": head_s, "macs": hm,
                              "peak_rss_mb": peak_between(meas["rss"], marks[len(lay) - 1], marks[-1] + 0.1)})
             for r in rows_out:

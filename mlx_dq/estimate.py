@@ -155,9 +155,12 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     heads = [(p, s) for p, s in other]
     macs += tokens * vocab * hidden  # logits of every row (perplexity and the head's Gram)
     head_extra = 0
+    lookup_only = {p for p, _ in heads if "embed" in p} if len(heads) > 1 else set()  # an untied embedding
     for path, s in heads:
         opts = _fitting(grid_map, path, s[-1])
         n_meas += len(opts)
+        if path in lookup_only:  # metered on its looked-up rows only: elementwise work, no multiply-adds
+            continue
         full = len(opts)
         sampled = min(s[-2], HEAD_SAMPLE_FACTOR * sample_rows + min(tokens, s[-2]))  # + every looked-up row
         if kl_scale and sample_rows and full > 2 and sampled < s[-2]:  # two anchors end to end, the rest sampled

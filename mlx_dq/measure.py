@@ -1062,10 +1062,21 @@ def depth_kl_scales(samples: Sequence[dict], layers: Sequence[int], default: flo
 def _measure_head(run: _Run) -> None:
     """Head and embedding: the final hidden states through the model's own norm and head."""
     s, m, model, tokens, share = run.s, run.m, run.runner.net, run.tokens, run.runner.share
-    run.runner.load_outside()
     head_mods = {p: mod for p, mod in run.runner.outside_modules().items() if role_of(p) is not None}
-    nlls = []
     dist.set_stage("head")
+    owner: dict[tuple[str, str], int] = {}
+    # an untied embedding is a lookup table (no Gram): measured first, with only itself loaded, then released, so the
+    # head's options have the room; its importance takes the KL scale once known
+    lookup_only = [p for p in head_mods if p in run.embed_lookup] if len(head_mods) > 1 else []
+    recs = {}
+    for path in lookup_only:
+        run.runner.load_outside(only=[path])
+        own = _share_options(run, {path: head_mods[path]})  # after loading: the split needs the shape
+        owner.update(own)
+        recs[path] = _measure_head_tensor(run, path, head_mods[path], None, None, 1.0, own)
+        free_table(head_mods[path])
+    run.runner.load_outside(skip=lookup_only)
+    nlls = []
     with run.runner.collector(head_mods) as head_col:
         for sl in iter_batches(s.rows, 1):  # one row, head_chunk positions at a time: logits are [chunk, vocab]
             if not share.owns_row(sl.start):
@@ -1079,13 +1090,18 @@ def _measure_head(run: _Run) -> None:
     m.base_perplexity = math.exp(nll / (s.rows * (s.seq_len - 1)))
     head_kl = _HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
     scale = _kl_scale(run, head_kl) if run.kl_scale else 1.0
-    owner = _share_options(run, head_mods)
-    lookup_only = [p for p in head_mods if head_col.stats.get(p) is None]  # an untied embedding: measured first,
-    recs = {}  # then released, so the head's options have the room
-    for path in lookup_only + [p for p in head_mods if p not in lookup_only]:
-        recs[path] = _measure_head_tensor(run, path, head_mods[path], head_col, head_kl, scale, owner)
-        if path in lookup_only:
-            free_table(head_mods[path])
+    no_inputs = sorted(p for p in head_mods if head_col.stats.get(p) is None)
+    if sorted(lookup_only) != no_inputs:
+        raise RuntimeError(f"tables measured as lookups only {sorted(lookup_only)} differ from those the head "
+                           f"did not use {no_inputs}")
+    for path in lookup_only:
+        if s.importance == "residual":
+            recs[path][0].importance *= scale
+    rest = {p: mod for p, mod in head_mods.items() if p not in lookup_only}
+    own = _share_options(run, rest)
+    owner.update(own)
+    for path, mod in rest.items():
+        recs[path] = _measure_head_tensor(run, path, mod, head_col, head_kl, scale, own)
     head_recs = [recs[p] for p in head_mods]
     if owner:
         merged = dist.gather_layer([r for r, _, _ in head_recs], {}, {}, owner, list(head_mods))[0]
@@ -1105,7 +1121,7 @@ def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCol
     """One embedding or head tensor's options (end-to-end KL damage for the head when in KL units)."""
     s, m, embed_lookup = run.s, run.m, run.embed_lookup
     role = role_of(path)
-    stats = head_col.stats.get(path)
+    stats = head_col.stats.get(path) if head_col is not None else None
     lookup = embed_lookup.get(path) if stats is None else None
     fn = None
     if head_kl is not None and stats is not None:

@@ -169,9 +169,18 @@ class LayerRunner:
         """A Gram collector over ``mods`` with this runner's expert mode."""
         return GramCollector(mods, self.expert_mode)
 
-    def load_outside(self) -> None:
-        """Load the weights outside the decoder layers (embedding, final norm, head)."""
-        load_into(self.net, dict(self.source.other_weights()))
+    def load_outside(self, only: Sequence[str] | None = None, skip: Sequence[str] = ()) -> None:
+        """Load the weights outside the decoder layers (embedding, final norm, head); ``only`` / ``skip``: just the
+        modules at these paths, or all but them (so a large table can be measured while the head is not held)."""
+        def wanted(name: str) -> bool:
+            if any(name.startswith(p + ".") for p in skip):
+                return False
+            return only is None or any(name.startswith(p + ".") for p in only)
+
+        from .sources import layer_index
+
+        load_into(self.net, self.source.load_weights(
+            n for n in self.source.weight_names() if layer_index(n) is None and wanted(n)))
 
     def free_outside(self) -> None:
         """Release the embedding and head (``load_outside`` brings them back): the decoder layers never use them.

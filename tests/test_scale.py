@@ -415,9 +415,13 @@ def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file
     embed_max: list[float] = []
     orig_head = measure_mod._measure_head_tensor
 
+    head_held: list[int] = []
+
     def head_spy(run, path, mod, *a):
         if path == "lm_head":  # an untied embedding is measured first, then replaced by a zero view
             embed_max.append(float(mx.abs(run.runner.net.model.embed_tokens.weight).max()))
+        elif kind == "untied":  # ... with only itself loaded: the head comes after
+            head_held.append(int(run.runner.net.lm_head.weight.size))
         return orig_head(run, path, mod, *a)
 
     monkeypatch.setattr(measure_mod, "_measure_layer", spy)
@@ -425,6 +429,7 @@ def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file
     m = _run(big_vocab[kind], grid_file)
     assert held == [0]
     assert embed_max == ([0.0] if kind == "untied" else [])
+    assert head_held == ([0] if kind == "untied" else [])
     head = "model.embed_tokens" if kind == "tied" else "lm_head"
     assert m.tensors[head].shape[0] == BIG_VOCAB and all(o.damage is not None for o in m.tensors[head].options)
     monkeypatch.setattr(measure_mod, "_measure_layer", orig)
