@@ -1067,7 +1067,7 @@ def _measure_head(run: _Run) -> None:
     owner: dict[tuple[str, str], int] = {}
     # an untied embedding is a lookup table (no Gram): measured first, with only itself loaded, then released, so the
     # head's options have the room; its importance takes the KL scale once known
-    lookup_only = [p for p in head_mods if p in run.embed_lookup] if len(head_mods) > 1 else []
+    lookup_only = [p for p in run.runner.lookup_tables() if p in head_mods]
     recs = {}
     for path in lookup_only:
         run.runner.load_outside(only=[path])

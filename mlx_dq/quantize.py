@@ -29,7 +29,7 @@ from . import distributed as dist
 from .gptq import DEFAULT_DAMP, batch_key, gptq_quantize, gptq_quantize_many
 from .options import QuantOption
 from .quant import QuantizedTensor, promote_to_uniform, quantize_weight
-from .runner import LayerRunner, head_logits, position_chunks
+from .runner import LayerRunner, free_table, head_logits, position_chunks
 from .safety import check_finite_weight
 from .settings import METHODS
 from .threads import thread_map
@@ -307,16 +307,24 @@ def quantize_stream(
         bar.update(1)
         if _fail_after_layer is not None and i == _fail_after_layer:
             raise RuntimeError(f"simulated interruption after layer {i}")
-    runner.load_outside()
-    yield _quantize_outside(runner, hidden, options, how)
+    tables, first = runner.lookup_tables(), []
+    for p in tables:  # an untied embedding alone (rounding: no Gram), released before the norm and head are loaded
+        runner.load_outside(only=[p])
+        first += _quantize_all({p: runner.outside_modules()[p]}, {}, options, how, parallel=False)
+        free_table(runner.outside_modules()[p])
+    runner.load_outside(skip=tables)
+    part = _quantize_outside(runner, hidden, options, how, skip=tables)
+    part.tensors = first + part.tensors
+    yield part
     bar.update(1)
     bar.close()
 
 
 def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, QuantOption],
-                      how: StreamOptions) -> StreamPart:
-    """Embedding and head (inputs: the final hidden states through the model's norm), and the other parameters."""
-    head_mods = runner.outside_modules()
+                      how: StreamOptions, skip: Sequence[str] = ()) -> StreamPart:
+    """Embedding and head (inputs: the final hidden states through the model's norm), and the other parameters;
+    ``skip``: tables quantized already (their weights are neither quantized nor written here)."""
+    head_mods = {p: m for p, m in runner.outside_modules().items() if p not in skip}
     net, tokens, share = runner.net, runner.tokens, runner.share
     with runner.collector(head_mods) as col:
         for b, sl in enumerate(runner.batches):
@@ -328,6 +336,6 @@ def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, Quant
                 share.flush(col, b)
     dist.reduce_stats(col)
     part = StreamPart(_quantize_all(head_mods, col.stats, options, how, parallel=False))
-    done = {f"{p}.weight" for p in head_mods}
+    done = {f"{p}.weight" for p in list(head_mods) + list(skip)}
     part.plain = {k: v for k, v in tree_flatten(net.parameters()) if not k.startswith(runner.prefix) and k not in done}
     return part

@@ -236,6 +236,12 @@ class LayerRunner:
         """Release layer ``i``'s weights."""
         free_module(self.layers[i])
 
+    def lookup_tables(self) -> list[str]:
+        """Paths of the embeddings used only as lookup tables (an untied model's, beside its own head): they can be
+        measured and quantized with nothing else outside the layers loaded."""
+        outside = self.outside_modules()
+        return [p for p, m in outside.items() if isinstance(m, nn.Embedding)] if len(outside) > 1 else []
+
     def outside_modules(self) -> dict[str, nn.Module]:
         """The quantizable modules outside the decoder layers (embedding, head), by full path."""
         return {p: m for p, m in quantizable_modules(self.net).items() if not p.startswith(self.prefix)}

@@ -354,9 +354,9 @@ def test_converter_head_gram_is_that_of_the_final_normed_states(big_vocab, monke
     seen: dict = {}
     orig_outside, orig_all = quantize_mod._quantize_outside, quantize_mod._quantize_all
 
-    def outside(runner, hidden, options, how):
+    def outside(runner, hidden, options, how, **kw):
         seen["hidden"], seen["net"] = hidden, runner.net
-        return orig_outside(runner, hidden, options, how)
+        return orig_outside(runner, hidden, options, how, **kw)
 
     def quantize_all(mods, stats, options, how, **kw):
         seen.setdefault("stats", []).append(stats)
@@ -450,9 +450,21 @@ def test_converter_releases_embedding_and_head_through_the_layers(big_vocab, mon
     src = resolve(str(big_vocab[kind]))
     _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
     head = "lm_head" if kind == "untied" else "model.embed_tokens"
-    options = {head: QuantOption.uniform(4, 32), "model.layers.0.mlp.down_proj": QuantOption.uniform(3, 64)}
+    options = {head: QuantOption.uniform(4, 32), "model.layers.0.mlp.down_proj": QuantOption.uniform(3, 64),
+               "model.embed_tokens": QuantOption.uniform(3, 32)}
     held: list[int] = []
     orig = quantize_mod.LayerRunner.forward
+    orig_all, orig_tables = quantize_mod._quantize_all, quantize_mod.LayerRunner.lookup_tables
+    runners, head_held = [], []
+
+    def lookup_tables(self):
+        runners.append(self)
+        return orig_tables(self)
+
+    def quantize_all(mods, *a, **kw):  # an untied embedding is quantized with the head not loaded
+        if kind == "untied" and list(mods) == ["model.embed_tokens"]:
+            head_held.append(int(runners[-1].net.lm_head.weight.size))
+        return orig_all(mods, *a, **kw)
 
     def forward(self, i, hidden, col):
         held.append(sum(int(p.size) for mod in self.outside_modules().values()
@@ -464,8 +476,11 @@ def test_converter_releases_embedding_and_head_through_the_layers(big_vocab, mon
         return {t.path: t.qt.dequantize(mx.float32) for p in out for t in p.tensors}
 
     monkeypatch.setattr(quantize_mod.LayerRunner, "forward", forward)
+    monkeypatch.setattr(quantize_mod.LayerRunner, "lookup_tables", lookup_tables)
+    monkeypatch.setattr(quantize_mod, "_quantize_all", quantize_all)
     got = parts()
     assert held and set(held) == {0}
+    assert head_held == ([0] if kind == "untied" else [])
     monkeypatch.setattr(quantize_mod.LayerRunner, "free_outside", lambda self: None)
     want = parts()
     assert set(got) == set(want) and set(options) <= set(got)
