@@ -101,6 +101,18 @@ class GramCollector:
                 mod.__class__ = self._saved.pop(path)
         self._pending.clear()
 
+    def take_inputs(self) -> dict[str, mx.array]:
+        """The inputs recorded since the last flush of plain linear layers, by path, as ``[rows, in]`` float32;
+        they are then not folded into Gram matrices (expert banks and lookups stay pending)."""
+        out, keep = {}, []
+        for p in self._pending:
+            if p.kind == "linear" and p.path not in out:
+                out[p.path] = p.x.reshape(-1, p.x.shape[-1]).astype(mx.float32)
+            elif p.kind != "linear":
+                keep.append(p)
+        self._pending = keep
+        return out
+
     def release(self) -> None:
         """Drop the accumulated Gram matrices (the other statistics stay), so their memory is freed."""
         for st in self.stats.values():

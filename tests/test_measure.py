@@ -497,3 +497,15 @@ def test_lookup_table_measured_on_its_looked_up_rows_only():
         c = mx.array(counts.astype(np.float32))[:, None]
         want = float(mx.sqrt((c * (wq - w) ** 2).sum() / (c * w * w).sum()).item())
         assert abs(r.err - want) <= 1e-5 * want, (o.desc, r.err, want)
+
+
+def test_input_error_equals_the_gram_form():
+    """The importance pass takes a linear layer's error from its inputs, with the Gram form's value."""
+    from mlx_dq.measure import input_error
+    from mlx_dq.quant import output_error
+
+    x = mx.random.normal((96, 64), key=mx.random.key(2)) * mx.linspace(0.1, 3.0, 64)
+    w = mx.random.normal((48, 64), key=mx.random.key(3))
+    wq = quantize_weight(w, QuantOption.parse("1.0:3b_32g")).dequantize(mx.float32)
+    got, want = input_error(w, wq, x), output_error(w, wq, x.T @ x)
+    assert got > 0.01 and abs(got - want) <= 1e-5 * want
