@@ -95,23 +95,14 @@ def damped_hessian(gram: np.ndarray, damp: float, copy: bool = True) -> tuple[np
     return h, float(lam.max()) if lam.size else 0.0
 
 
-def inverse_cholesky_upper(h: np.ndarray | mx.array, damp_step: float | None = None) -> tuple[np.ndarray, float]:
-    """Upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``) for each ``[k, k]`` in ``h`` (``[B, k, k]``).
-
-    Runs on MLX's CPU linear algebra in float32. A matrix that is not
-    numerically positive definite gets ``damp_step`` (default 1% of its mean
-    diagonal) more damping, growing tenfold per retry; returns ``U`` (a numpy
-    view of MLX's result, no copy) and the extra damping used.
-    """
-    hm = h if isinstance(h, mx.array) else mx.array(np.asarray(h, dtype=np.float32))
-    upper, extra = _inverse_cholesky(lambda: hm[..., ::-1, ::-1], damp_step)
-    return np.asarray(upper), extra
-
-
 def _inverse_cholesky(make_reversed: Callable[[], mx.array], damp_step: float | None = None
                       ) -> tuple[mx.array, float]:
-    """:func:`inverse_cholesky_upper` of ``H``, given ``make_reversed()`` building ``P H P`` (``P`` reverses the
-    channels), again on a retry.
+    """Upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``, each ``[k, k]`` of ``[B, k, k]``), on MLX's CPU
+    linear algebra in float32, given ``make_reversed()`` building ``P H P`` (``P`` reverses the channels).
+
+    A matrix that is not numerically positive definite gets ``damp_step`` (default 1% of its mean
+    diagonal) more damping, growing tenfold per retry (``make_reversed`` is called again each time);
+    returns ``U`` and the extra damping used.
 
     With ``P H P = L L^T``, ``H^-1 = U^T U`` for ``U = P L^-1 P``: one Cholesky and one triangular
     inverse, with at most two ``k x k`` results alive besides what ``make_reversed`` reads (at 14,336
@@ -146,7 +137,7 @@ def _inverse_cholesky(make_reversed: Callable[[], mx.array], damp_step: float | 
 class HessianFactor:
     """The damped ``H`` factorised for one channel processing sequence; reusable by every option.
 
-    ``sequence``: original input channel processed at each step; ``u``
+    ``sequence``: original input channel processed at each step; ``u_mx`` (``u`` as numpy)
     (``[Bg, k, k]``): upper Cholesky factor of the damped ``H^-1`` in that
     sequence; ``damp`` the relative damping asked for, ``damp_abs`` the
     largest absolute damping added, ``extra_damp`` any more added to reach
@@ -154,11 +145,15 @@ class HessianFactor:
     """
 
     sequence: np.ndarray
-    u: np.ndarray
+    u_mx: mx.array
     damp: float
     damp_abs: float
     extra_damp: float
-    u_mx: mx.array | None = None  # the same factor as an MLX array (``u`` is a view of it): no second copy
+
+    @property
+    def u(self) -> np.ndarray:
+        """``u_mx`` as numpy: a view of MLX's buffer, no second copy."""
+        return np.asarray(self.u_mx)
 
 
 def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: float = DEFAULT_DAMP) -> HessianFactor:
@@ -179,7 +174,7 @@ def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: floa
         return mx.array(h)
 
     upper, extra = _inverse_cholesky(make)
-    return HessianFactor(seq, np.asarray(upper), float(damp), lam, extra, upper)
+    return HessianFactor(seq, upper, float(damp), lam, extra)
 
 
 # --------------------------------------------------------------------------
@@ -516,7 +511,7 @@ def gptq_core(
     # GPTQ's multiply-adds, run there, on the default device); each block's columns come back to numpy
     rest = mx.array(ws[:, :, porder]).transpose(0, 2, 1)  # one copy, read as a transposed view
     del ws  # the storage-order copy is not read again
-    u_mx = factor.u_mx if factor.u_mx is not None else mx.array(u)
+    u_mx = factor.u_mx
     codes = np.zeros((nb, k, rows), dtype=np.uint8)
     assumed = np.zeros((nb, k, rows), dtype=np.float32)
     sp_of = porder
