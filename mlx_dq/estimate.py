@@ -79,13 +79,15 @@ def matmul_flops(n: int = 1024) -> float:
     return 2 * n**3 / best
 
 
-def _shapes(source: Any) -> tuple[list[list[tuple[str, tuple[int, ...]]]], list[tuple[str, tuple[int, ...]]], int]:
-    """Per decoder layer the (path, weight shape) of its quantizable tensors, the other ones, and the hidden size."""
+def _shapes(source: Any) -> tuple[list[list[tuple[str, tuple[int, ...]]]], list[tuple[str, tuple[int, ...]]], int,
+                                  set[str]]:
+    """Per decoder layer the (path, weight shape) of its quantizable tensors, the other ones, the hidden size and
+    which of the other ones are lookup tables only (:func:`mlx_dq.runner.lookup_tables`)."""
     import mlx.core as mx  # noqa: F401  (the skeleton's arrays stay unevaluated)
 
     from .capture import quantizable_modules
     from .grids import role_of
-    from .runner import align_to_source, layer_prefix
+    from .runner import align_to_source, layer_prefix, lookup_tables
     from .sources import build_model
 
     model = build_model(source.config)
@@ -94,10 +96,11 @@ def _shapes(source: Any) -> tuple[list[list[tuple[str, tuple[int, ...]]]], list[
     layers = [[(p, tuple(int(d) for d in m.weight.shape))
                for p, m in quantizable_modules(layer, prefix=f"{prefix}{i}.").items() if role_of(p) is not None]
               for i, layer in enumerate(model.layers)]
-    other = [(p, tuple(int(d) for d in m.weight.shape)) for p, m in quantizable_modules(model).items()
-             if not p.startswith(prefix) and role_of(p) is not None]
+    outside = {p: m for p, m in quantizable_modules(model).items()
+               if not p.startswith(prefix) and role_of(p) is not None}
+    other = [(p, tuple(int(d) for d in m.weight.shape)) for p, m in outside.items()]
     hidden = int(source.config.get("hidden_size") or other[0][1][-1])
-    return layers, other, hidden
+    return layers, other, hidden, set(lookup_tables(outside))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -138,7 +141,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
         from .settings import MeasureSettings
 
         sample_rows = MeasureSettings.sample_rows
-    layers, other, hidden = _shapes(source)
+    layers, other, hidden, lookup_only = _shapes(source)
     tokens, imp = rows * seq_len, min(importance_rows, rows) * seq_len
     per_opt = 2 if method == "gptq" else 1  # GPTQ updates + exact error; rounding: the error only
     macs, n_meas, biggest_layer = 0.0, 0, 0
@@ -155,7 +158,6 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     heads = [(p, s) for p, s in other]
     macs += tokens * vocab * hidden  # logits of every row (perplexity and the head's Gram)
     head_extra = 0
-    lookup_only = {p for p, _ in heads if "embed" in p} if len(heads) > 1 else set()  # an untied embedding
     for path, s in heads:
         opts = _fitting(grid_map, path, s[-1])
         n_meas += len(opts)
@@ -212,7 +214,7 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
 
     ``measurement_bytes``: size of a given measurement file (copied into the output).
     """
-    layers, other, hidden = _shapes(source)
+    layers, other, hidden, _ = _shapes(source)
     f = flops or matmul_flops()
     meas = estimate_measure(source, method=method, flops=f, **(measure_kwargs or {})) if measure_first else None
     tokens = rows * seq_len
@@ -262,7 +264,7 @@ def estimate_distill(source: Any, *, rows: int, seq_len: int, steps: int, batch_
     """
     params = _all_params(source)
     total = sum(_numel(s) for _, s in params)
-    layers, other, hidden = _shapes(source)
+    layers, other, hidden, _ = _shapes(source)
     vocab = max((s[0] for _, s in other), default=0)
     f = flops or matmul_flops()
     macs = 3.0 * steps * batch_size * (seq_len - 1) * total + 3.0 * rows * (seq_len - 1) * total

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from . import distributed as dist
 from .capture import GramCollector, iter_batches, quantizable_modules
+from .names import layer_index
 
 HEAD_CHUNK = 128  # positions per head call: logits are [chunk, vocab] float32, never [calibration tokens, vocab]
 
@@ -82,6 +83,12 @@ def free_module(module: nn.Module) -> None:
 def free_table(module: nn.Module) -> None:
     """Replace an embedding's table by a zero view of its shape (no memory): calls still embed tokens (as zeros)."""
     module.weight = mx.broadcast_to(mx.zeros((1, module.weight.shape[-1]), mx.float32), module.weight.shape)
+
+
+def lookup_tables(outside: dict[str, nn.Module]) -> list[str]:
+    """Paths of the embeddings among ``outside`` (the modules outside the decoder layers) used only as lookup tables
+    (an untied model's, beside its own head): they are measured and quantized with nothing else outside loaded."""
+    return [p for p, m in outside.items() if isinstance(m, nn.Embedding)] if len(outside) > 1 else []
 
 
 def probe_layers(model: nn.Module, tokens: mx.array) -> tuple[mx.array, list[tuple[tuple, dict]]]:
@@ -177,8 +184,6 @@ class LayerRunner:
                 return False
             return only is None or any(name.startswith(p + ".") for p in only)
 
-        from .sources import layer_index
-
         load_into(self.net, self.source.load_weights(
             n for n in self.source.weight_names() if layer_index(n) is None and wanted(n)))
 
@@ -237,10 +242,8 @@ class LayerRunner:
         free_module(self.layers[i])
 
     def lookup_tables(self) -> list[str]:
-        """Paths of the embeddings used only as lookup tables (an untied model's, beside its own head): they can be
-        measured and quantized with nothing else outside the layers loaded."""
-        outside = self.outside_modules()
-        return [p for p, m in outside.items() if isinstance(m, nn.Embedding)] if len(outside) > 1 else []
+        """:func:`lookup_tables` of this model's modules outside the decoder layers."""
+        return lookup_tables(self.outside_modules())
 
     def outside_modules(self) -> dict[str, nn.Module]:
         """The quantizable modules outside the decoder layers (embedding, head), by full path."""
