@@ -149,6 +149,7 @@ class HessianFactor:
     damp: float
     damp_abs: float
     extra_damp: float
+    added: np.ndarray | None = None  # [Bg, k], sequence order: what damping added to each diagonal entry
 
     @property
     def u(self) -> np.ndarray:
@@ -165,16 +166,17 @@ def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: floa
     g = np.asarray(gram, dtype=np.float32)
     g = g[None] if g.ndim == 2 else g
     seq = np.asarray(sequence, dtype=np.int64)
-    lam = 0.0
+    lam, added = 0.0, None
 
     def make() -> mx.array:
-        nonlocal lam
+        nonlocal lam, added
         rev = seq[::-1]  # built reversed (see _inverse_cholesky): the same one fresh copy
         h, lam = damped_hessian(g[:, rev[:, None], rev[None, :]], damp, copy=False)
+        added = (np.einsum("bii->bi", h).astype(np.float64) - np.einsum("bii->bi", g)[:, rev])[:, ::-1]
         return mx.array(h)
 
     upper, extra = _inverse_cholesky(make)
-    return HessianFactor(seq, upper, float(damp), lam, extra)
+    return HessianFactor(seq, upper, float(damp), lam, extra, added + extra)
 
 
 # --------------------------------------------------------------------------
@@ -385,6 +387,7 @@ class GPTQResult:
     damp_abs: float
     extra_damp: float
     clipped: int | np.ndarray = 0
+    out_sq: np.ndarray | None = None  # [B, R]: each row's squared output error against the undamped Gram
 
 
 def _group_layout(option: QuantOption, in_f: int) -> list[tuple[int, int, int]]:
@@ -528,6 +531,7 @@ def gptq_core(
 
     widest = max(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
     scratch = np.empty((max(nb, u.shape[0]), widest, rows), dtype=np.float32)
+    esq = np.zeros((nb, rows), dtype=np.float64)  # sum of GPTQ's scaled errors e^2 per row
     for b0, b1 in zip(bounds[:-1], bounds[1:]):
         err = np.zeros((nb, b1 - b0, rows), dtype=np.float32)
         wt_ = np.array(rest[:, : b1 - b0, :])  # this block's columns; column p is wt_[:, p - b0]
@@ -555,6 +559,7 @@ def gptq_core(
                 upd = np.multiply(u[:, p, p + 1 : b1, None], e[:, None, :], out=scratch[:, : b1 - p - 1])
                 np.subtract(wt_[:, p + 1 - b0 :, :], upd, out=wt_[:, p + 1 - b0 :, :])
             err[:, p - b0, :] = e
+        esq += np.square(err, dtype=np.float64).sum(1)
         rest = rest[:, b1 - b0 :, :]
         if b1 < k:
             rest = rest - mx.matmul(u_mx[:, b0:b1, b1:].transpose(0, 2, 1), mx.array(err))
@@ -567,7 +572,29 @@ def gptq_core(
         damp_abs=lam,
         extra_damp=extra,
         clipped=clipped,
+        out_sq=_output_error_rows(esq, w, assumed, order, porder, factor),
     )
+
+
+def _output_error_rows(esq: np.ndarray, w: np.ndarray, assumed: np.ndarray, order: np.ndarray, porder: np.ndarray,
+                       factor: HessianFactor) -> np.ndarray | None:
+    """Per bank and output row, ``d H d^T`` for the quantization error ``d`` (undamped ``H``), from GPTQ's own errors.
+
+    GPTQ leaves ``W - Q = E U`` with ``H_damped^-1 = U^T U``, so ``(W-Q) H_damped (W-Q)^T = E E^T``:
+    the row's sum of ``e^2`` less what damping added, ``sum_j added_j d_j^2``. Exact up to float
+    rounding, and it costs ``rows x in`` instead of the ``rows x in^2`` of multiplying by the Gram.
+    """
+    if factor.added is None:
+        return None
+    k = w.shape[-1]
+    added = np.empty(factor.added.shape, dtype=np.float32)
+    added[:, porder] = factor.added  # storage order
+    damped = np.zeros_like(esq)
+    for c0 in range(0, k, 1024):  # bounded temporaries; float32 sums of at most 1,024 terms, added in float64
+        c1 = min(k, c0 + 1024)
+        d = w[:, :, order[c0:c1]] - assumed[:, c0:c1, :].transpose(0, 2, 1)
+        damped += np.einsum("brc,bc->br", d * d, np.broadcast_to(added[:, c0:c1], (d.shape[0], c1 - c0)))
+    return esq - damped
 
 
 def gptq_quantize(
@@ -700,6 +727,8 @@ def gptq_quantize_many(
     for i, option in enumerate(options):
         bank = slice(None) if len(options) == 1 else slice(i, i + 1)
         qt = _to_quantized(res, bank, option, shape, in_f, mixed)
+        if res.out_sq is not None:
+            qt.out_sq = res.out_sq[bank].reshape(shape[:-1])
         clipped = res.clipped if len(options) == 1 else int(res.clipped[i])
         qt.stats = {
             "method": "gptq",

@@ -258,21 +258,30 @@ class _ErrorMeter:
         mx.eval(osum, wsum)
         return osum.item(), wsum.item()
 
-    def partial(self, i: int, wq: mx.array) -> tuple[float, float]:
-        """The (output, weight) squared-error sums of block ``i`` (``wq``: that block's rows; the whole tensor when one)."""
-        return self._sums(i, wq.astype(mx.float32) - self._w32(i))
+    def partial(self, i: int, wq: mx.array, known: np.ndarray | None = None) -> tuple[float, float]:
+        """The (output, weight) squared-error sums of block ``i`` (``wq``: that block's rows; the whole tensor when one).
+
+        ``known``: the rows' squared output errors as the quantizer computed them against this Gram
+        (:attr:`~mlx_dq.quant.QuantizedTensor.out_sq`), so only the weight error is computed here."""
+        d = wq.astype(mx.float32) - self._w32(i)
+        if known is None or self.g is None:
+            return self._sums(i, d)
+        wsum = self._square_sum(d, None)
+        rw = None if self.rw is None else np.asarray(self.rw[:, 0], dtype=np.float64)
+        osum = float(known.sum()) if rw is None else float((known * rw).sum())
+        return osum, wsum.item()
 
     def result(self, onum: float, wnum: float) -> tuple[float, float]:
         """(err, weight_err) from summed squared errors."""
         den = self.oden if self.g is not None or self.c is not None else self.wden
         return relative_error(onum, den), relative_error(wnum, self.wden)
 
-    def __call__(self, wq: mx.array) -> tuple[float, float]:
+    def __call__(self, wq: mx.array, known: np.ndarray | None = None) -> tuple[float, float]:
         if self.blocks is None:
-            return self.result(*self.partial(0, wq))
+            return self.result(*self.partial(0, wq, known))
         onum = wnum = 0.0
         for i, sl in enumerate(self.blocks):
-            o, w_ = self.partial(i, wq[..., sl, :])
+            o, w_ = self.partial(i, wq[..., sl, :], None if known is None else known[..., sl])
             onum, wnum = onum + o, wnum + w_
         return self.result(onum, wnum)
 
@@ -324,9 +333,7 @@ def measure_tensor(
     counts = counts[np.asarray(rows_idx)] if counts is not None and rows_idx is not None else counts
     meter = _ErrorMeter(w, gram, counts, row_weights)
     rec = TensorRecord(key, shape, role=role)
-    fitting = fitting_options(options, shape[-1])
-    if only is not None:
-        fitting = [o for o in fitting if o.desc in only]
+    fitting = [o for o in fitting_options(options, shape[-1]) if only is None or o.desc in only]
     factors: dict = {}
     in_kept = [o for o in fitting if kept is not None and o.desc in kept]
     quantized = option_quantizer(w, [o for o in fitting if o not in in_kept], gram, method=method, clip=clip,
@@ -345,7 +352,9 @@ def measure_tensor(
                 qt, share = quantized(opt)
                 t_opt += (time.perf_counter() - t_q) - share  # this option's share of a batch's time
             wq = qt.dequantize(qt.parts[0][1].dtype if opt in in_kept and qt.fp is None else mx.float32)
-            err, werr = meter(wq[rows_idx] if rows_idx is not None and opt in in_kept else wq)
+            picked = rows_idx is not None and opt in in_kept
+            known = qt.out_sq if qt.out_sq is None or not picked else qt.out_sq[..., np.asarray(rows_idx)]
+            err, werr = meter(wq[rows_idx] if picked else wq, known)
             clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
         damage = damage_fn(wq) if damage_fn is not None and damage is None else damage
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
@@ -408,7 +417,7 @@ def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, met
         wb = w[..., sl, :]
         qt = quantize_tensor(wb, opt, gram, method=method, clip=clip, factor_cache=factors)  # the converter's
         wq = qt.dequantize(mx.float32)
-        o, w_ = meter.partial(i, wq)
+        o, w_ = meter.partial(i, wq, qt.out_sq)
         onum, wnum = onum + o, wnum + w_
         st = qt.stats
         if "clipped_fraction" in st:  # back to a count: exact (the fraction is count / size)

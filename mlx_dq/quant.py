@@ -45,7 +45,9 @@ class QuantizedTensor:
     ``widths`` the number of input channels of each; ``perm`` the input-channel
     order (mixed options only: column ``j`` of the concatenated segments is
     original input channel ``perm[j]``); ``fp`` the weight itself for kept
-    16-bit tensors; ``stats`` clip statistics.
+    16-bit tensors; ``stats`` clip statistics; ``out_sq`` (``[..., out]``, when the
+    quantizer knows it: GPTQ) each output row's squared output error ``d G d^T``
+    against the Gram matrix it was quantized with, so meters need not multiply by it.
     """
 
     option: QuantOption
@@ -57,6 +59,7 @@ class QuantizedTensor:
     perm: np.ndarray | None = None
     fp: mx.array | None = None
     stats: dict = field(default_factory=dict)
+    out_sq: np.ndarray | None = None
 
     def dequantize(self, dtype: mx.Dtype = mx.float32) -> mx.array:
         """The weight the stored codes represent, ``[..., out, in]`` in original channel order."""
@@ -78,7 +81,8 @@ class QuantizedTensor:
         n = len(range(*sl.indices(self.shape[-2])))
         return replace(self, shape=self.shape[:-2] + (n, self.shape[-1]),
                        parts=[(w[..., sl, :], s[..., sl, :], b[..., sl, :]) for w, s, b in self.parts],
-                       fp=None if self.fp is None else self.fp[..., sl, :])
+                       fp=None if self.fp is None else self.fp[..., sl, :],
+                       out_sq=None if self.out_sq is None else self.out_sq[..., sl])
 
     def nbytes(self) -> int:
         """Bytes of every stored array (codes, scales, biases, permutation or 16-bit weight)."""
@@ -701,7 +705,7 @@ def promote_to_uniform(qt: QuantizedTensor) -> QuantizedTensor:
         biases.append(mx.repeat(b, g // group, axis=-1))
     packed = mx.array(pack_codes(np.concatenate(codes, axis=-1), bits))
     stats = dict(qt.stats, promoted_from=qt.option.desc)
-    out = QuantizedTensor(QuantOption.uniform(bits, group), qt.shape, stats=stats)
+    out = QuantizedTensor(QuantOption.uniform(bits, group), qt.shape, stats=stats, out_sq=qt.out_sq)  # same values
     out.parts = [(packed, mx.concatenate(scales, axis=-1), mx.concatenate(biases, axis=-1))]
     out.widths, out.bits, out.group_sizes = [in_f], [bits], [group]
     return out

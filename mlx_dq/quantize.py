@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
@@ -116,6 +117,8 @@ def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, **kw:
     out.shape = tuple(int(d) for d in w.shape)
     out.parts = [tuple(mx.concatenate([q.parts[j][i] for q in parts], axis=-2) for i in range(3))
                  for j in range(len(out.parts))]
+    known = [q.out_sq for q in parts]
+    out.out_sq = np.concatenate(known, axis=-1) if all(k is not None for k in known) else None
     st = dict(out.stats)
     if "clipped_fraction" in st:
         st["clipped_fraction"] = count / float(math.prod(out.shape))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from .formats.facts import packing_facts
 from .names import MANIFEST_NAME, MANIFEST_SCHEMA, MODEL_FILE, default_bits_group
@@ -147,11 +148,20 @@ def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, array
 
 def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array) -> float:
     """:func:`mlx_dq.quant.output_error` of the stored codes, summed over blocks of output rows (a large head
-    otherwise needs several float32 copies of itself: 5 GB of temporaries at 151,936 x 896)."""
-    num = den = 0.0
+    otherwise needs several float32 copies of itself: 5 GB of temporaries at 151,936 x 896). When the quantizer
+    knows the rows' squared errors (``qt.out_sq``, GPTQ), only the reference sum is multiplied out here."""
+    known = qt.out_sq
+    num = 0.0 if known is None else float(np.sum(known, dtype=np.float64))
+    den = 0.0
+    g = gram.astype(mx.float32)
     for sl in row_blocks(w.shape) or [slice(None)]:
-        n, d = output_error_sums(w[..., sl, :], qt.rows(sl).dequantize(mx.float32), gram)
-        num, den = num + n, den + d
+        if known is None:
+            n, d = output_error_sums(w[..., sl, :], qt.rows(sl).dequantize(mx.float32), g)
+            num += n
+        else:
+            w32 = w[..., sl, :].astype(mx.float32)
+            d = float(((w32 @ g) * w32).sum().item())
+        den += d
     return relative_error(num, den)
 
 

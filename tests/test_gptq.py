@@ -352,3 +352,44 @@ def test_group_parameters_in_row_chunks_equal_one_call(monkeypatch, layer):
     parts = gq.choose_group_params(wg, 3, weight)
     for a, b in zip(whole, parts):
         assert a.dtype == np.float16 and np.array_equal(a, b)
+
+
+def _gram_rows(w: np.ndarray, wq: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """Each output row's ``d G d^T`` in float64, the reference for ``out_sq``."""
+    d = wq.astype(np.float64) - w.astype(np.float64)
+    return np.einsum("...ri,...ij,...rj->...r", d, gram.astype(np.float64), d)
+
+
+@pytest.mark.parametrize("desc", ["1.0:4b_64g", "1.0:2b_32g", "0.25:4b_32g/0.75:3b_64g"])
+@pytest.mark.parametrize("act_order", [True, False])
+def test_known_row_errors_equal_the_gram_form(layer, desc, act_order):
+    """GPTQ's own errors give each row's ``d G d^T`` (so meters skip the ``rows x in^2`` product)."""
+    w, _, gram = layer
+    qt = gptq_quantize(w, QuantOption.parse(desc), gram, act_order=act_order)
+    ref = _gram_rows(w, np.array(qt.dequantize()), gram)
+    assert qt.out_sq.shape == (w.shape[0],)
+    np.testing.assert_allclose(qt.out_sq, ref, rtol=1e-5, atol=1e-9 * ref.max())
+
+
+def test_known_row_errors_with_banks_dead_channels_and_row_blocks(monkeypatch, layer):
+    from mlx_dq import quantize as qz
+    from mlx_dq.gptq import gptq_quantize_many
+
+    w, _, gram = layer
+    opts = [QuantOption.parse(d) for d in ("1.0:3b_64g", "1.0:4b_64g", "1.0:5b_64g")]
+    for opt, qt in zip(opts, gptq_quantize_many(w, opts, gram)):  # several options on the bank axis
+        np.testing.assert_allclose(qt.out_sq, _gram_rows(w, np.array(qt.dequantize()), gram), rtol=1e-5)
+    ws, xs = zip(*[_problem(16, 128, 40, seed=30 + e) for e in range(2)])  # singular Grams, dead channels
+    xs = [x.copy() for x in xs]
+    xs[0][:, :5] = 0.0
+    grams = np.stack([x.T @ x for x in xs])
+    bank = np.stack(ws)
+    for g in (grams, grams.sum(0)):  # per expert and shared
+        qt = gptq_quantize(bank, QuantOption.parse("0.25:4b_32g/0.75:3b_64g"), g)
+        gg = g if g.ndim == 3 else np.broadcast_to(g, grams.shape)
+        assert qt.out_sq.shape == (2, 16)
+        np.testing.assert_allclose(qt.out_sq, _gram_rows(bank, np.array(qt.dequantize()), gg), rtol=1e-5)
+    monkeypatch.setattr(qz, "ROW_BLOCK_BYTES", 40 * 256 * 4)  # blocks of 40 rows: their rows joined in order
+    joined = qz.quantize_rows(mx.array(w), QuantOption.parse("1.0:4b_64g"), mx.array(gram))
+    np.testing.assert_allclose(joined.out_sq, _gram_rows(w, np.array(joined.dequantize()), gram), rtol=1e-5)
+    np.testing.assert_array_equal(joined.rows(slice(10, 50)).out_sq, joined.out_sq[10:50])
