@@ -175,6 +175,12 @@ def reference_option(options: Sequence[QuantOption], in_features: int, ref: str 
 # --------------------------------------------------------------------------
 # per-tensor measurement
 # --------------------------------------------------------------------------
+def _evaluated(a: mx.array) -> mx.array:
+    """``a`` evaluated by MLX before numpy reads it, so profiles count the work as MLX's, not numpy's."""
+    mx.eval(a)
+    return a
+
+
 def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
                       must: np.ndarray | None = None) -> tuple[mx.array, mx.array] | None:
     """A seeded, stratified sample of ``n`` output rows of a 2-D weight and each row's weight; None when not smaller.
@@ -195,8 +201,8 @@ def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
     if n <= 0 or w.ndim != 2 or gram.ndim != 2 or rows <= n + must.size:
         return None
     g32 = gram.astype(mx.float32)
-    energy = np.concatenate([np.asarray(((wb @ g32) * wb).sum(1), dtype=np.float64)  # by row blocks: no
-                             # temporary the size of a 151,936-row head
+    energy = np.concatenate([np.asarray(_evaluated(((wb @ g32) * wb).sum(1)), dtype=np.float64)  # by row blocks:
+                             # no temporary the size of a 151,936-row head
                              for wb in (w[sl].astype(mx.float32) for sl in row_blocks(w.shape) or [slice(None)])])
     by_energy = np.argsort(-energy, kind="stable")
     top = np.concatenate([must, by_energy[~np.isin(by_energy, must)][: n // 4]])

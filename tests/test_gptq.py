@@ -393,3 +393,20 @@ def test_known_row_errors_with_banks_dead_channels_and_row_blocks(monkeypatch, l
     joined = qz.quantize_rows(mx.array(w), QuantOption.parse("1.0:4b_64g"), mx.array(gram))
     np.testing.assert_allclose(joined.out_sq, _gram_rows(w, np.array(joined.dequantize()), gram), rtol=1e-5)
     np.testing.assert_array_equal(joined.rows(slice(10, 50)).out_sq, joined.out_sq[10:50])
+
+
+def test_spans_of_blocks_give_the_one_block_at_a_time_result(monkeypatch, layer):
+    """Columns beyond a span are updated once per span: the same quantization up to float rounding."""
+    import mlx_dq.gptq as gq
+
+    w, x, gram = layer
+    results = {}
+    for span in (32, 96, 10**6):  # a span per block (the plain order of updates), three blocks, one span
+        monkeypatch.setattr(gq, "SPAN_COLUMNS", span)
+        for desc in ("1.0:3b_32g", "0.25:4b_32g/0.75:3b_64g"):
+            results[span, desc] = np.array(gptq_quantize(w, QuantOption.parse(desc), gram, block_size=32).dequantize())
+    for desc in ("1.0:3b_32g", "0.25:4b_32g/0.75:3b_64g"):
+        base = results[32, desc]
+        for span in (96, 10**6):
+            assert np.mean(results[span, desc] != base) < 0.005, (span, desc)
+            assert _out_err(x, w, results[span, desc]) == pytest.approx(_out_err(x, w, base), rel=1e-3)
