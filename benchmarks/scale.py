@@ -148,28 +148,34 @@ def layer_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str,
 
     Forward with the Gram of the 3 distinct inputs, the importance reruns, then per tensor the
     reference option on every output row and each other option on ``sample_rows`` rows (0: all):
-    GPTQ's column updates (``out x in^2``) plus the exact error (``out x in^2``).
+    GPTQ's triangular column updates (``out x in^2 / 2``; the error comes from its own errors), rounding's
+    error against the Gram (``out x in^2``); once per tensor the meter's reference sum and, when sampling,
+    every row's output energy (``out x in^2`` each).
     """
     ts = layer_tensors(s)
     params = sum(o * i for o, i in ts)
     fwd = tokens * params + sum(tokens * i * i for _, i in ts[::3]) + 3 * imp_tokens * params
-    per = 2 if method == "gptq" else 1
-    opts = sum(((options - 1) * (min(o, sample_rows) if sample_rows else o) + o) * i * i * per for o, i in ts)
+    per = 0.5 if method == "gptq" else 1
+    rows = [(min(o, sample_rows) if sample_rows else o, o, i) for o, i in ts]
+    opts = sum(((options - 1) * r + o) * i * i * per + (r + (o if r < o else 0)) * i * i for r, o, i in rows)
     return fwd + opts
 
 
 def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, sample_rows: int) -> float:
     """Multiply-adds of the head stage: logits of every row, two anchor options quantized on every
-    vocabulary row with their KL taken block by block (original and quantized rows, plus one LSE pass),
-    the other options on a row sample (mlx_dq.measure.head_anchors); all of them exactly without sampling."""
+    vocabulary row with their KL taken block by block (original and quantized rows, plus one LSE pass) and
+    the meter's reference sum, the other options on a row sample (mlx_dq.measure.head_anchors) with their
+    damage predicted from the error against the Gram, and every row's energy for the sample; all of them
+    exactly without sampling (counts as in :func:`layer_macs`)."""
     from mlx_dq.measure import HEAD_SAMPLE_FACTOR
 
     v, h = s["vocab"], s["hidden"]
-    per = 2 if method == "gptq" else 1
+    per = 0.5 if method == "gptq" else 1
     sampled = min(v, HEAD_SAMPLE_FACTOR * sample_rows + min(tokens, v))
     full = 2 if sample_rows and options > 2 and sampled < v else options
     kl = (2 * full + 1) * imp_tokens * v * h
-    return tokens * v * h + full * v * h * h * per + (options - full) * sampled * h * h * per + kl
+    predicted = (options - full) * sampled * h * h * (per + 1) + v * h * h if full < options else 0  # + energies
+    return tokens * v * h + full * v * h * h * per + v * h * h + predicted + kl
 
 
 def hot_loop(s: dict, flops: float) -> dict:

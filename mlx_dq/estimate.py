@@ -143,7 +143,8 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
         sample_rows = MeasureSettings.sample_rows
     layers, other, hidden, lookup_only = _shapes(source)
     tokens, imp = rows * seq_len, min(importance_rows, rows) * seq_len
-    per_opt = 2 if method == "gptq" else 1  # GPTQ updates + exact error; rounding: the error only
+    # GPTQ: its triangular updates (out x in^2 / 2), the error from its own errors; rounding: the error against the Gram
+    per_opt = 0.5 if method == "gptq" else 1
     macs, n_meas, biggest_layer = 0.0, 0, 0
     for tensors in layers:
         params = sum(_numel(s) for _, s in tensors)
@@ -154,6 +155,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
             n_meas += len(opts)
             out = min(s[-2], sample_rows) if sample_rows else s[-2]
             macs += (len(opts) - 1) * out * s[-1] ** 2 * per_opt + s[-2] * s[-1] ** 2 * per_opt
+            macs += (out + (s[-2] if out < s[-2] else 0)) * s[-1] ** 2  # the meter's reference sum, the row energies
     vocab = max((s[0] for _, s in other), default=0)
     heads = [(p, s) for p, s in other]
     macs += tokens * vocab * hidden  # logits of every row (perplexity and the head's Gram)
@@ -166,9 +168,9 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
         full = len(opts)
         sampled = min(s[-2], HEAD_SAMPLE_FACTOR * sample_rows + min(tokens, s[-2]))  # + every looked-up row
         if kl_scale and sample_rows and full > 2 and sampled < s[-2]:  # two anchors end to end, the rest sampled
-            full = 2
-            macs += (len(opts) - full) * sampled * s[-1] ** 2 * per_opt
-        macs += full * s[-2] * s[-1] ** 2 * per_opt
+            full = 2  # the rest: quantized and their damage predicted from the error against the Gram
+            macs += (len(opts) - full) * sampled * s[-1] ** 2 * (per_opt + 1) + s[-2] * s[-1] ** 2  # + energies
+        macs += full * s[-2] * s[-1] ** 2 * per_opt + s[-2] * s[-1] ** 2  # + the meter's reference sum
         if kl_scale:
             cached = min(REF_CACHE_BYTES, imp * vocab * 4)
             recompute = 1 - cached / max(1, imp * vocab * 4)
@@ -218,7 +220,9 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
     f = flops or matmul_flops()
     meas = estimate_measure(source, method=method, flops=f, **(measure_kwargs or {})) if measure_first else None
     tokens = rows * seq_len
-    per_q = 1 if method == "gptq" else 0
+    # GPTQ's updates (out x in^2 / 2) and the written record's reference sum (out x in^2; GPTQ knows the error);
+    # rounding: the record's error and reference sums against the Gram
+    per_q = 1.5 if method == "gptq" else 2
     macs, biggest_layer = 0.0, 0
     quant_params = 0
     for tensors in layers:
