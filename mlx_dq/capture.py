@@ -74,19 +74,13 @@ class GramCollector:
 
     ``expert_mode`` is ``"per_expert"`` (one Gram per expert from its routed
     tokens: exact) or ``"shared"`` (one Gram over every routed token of the bank).
-    ``outputs``: also sum each plain linear layer's squared outputs into ``out_energy``
-    (``||X W^T||^2 = tr(W G W^T)``, the reference of its relative output error, at the cost
-    of a sum instead of an ``out x in^2`` product).
     """
 
     modules: dict[str, nn.Module]
     expert_mode: str = "per_expert"
-    outputs: bool = False
     stats: dict[str, InputStats] = field(default_factory=dict)
     lookups: dict[str, InputStats] = field(default_factory=dict)
-    out_energy: dict[str, float] = field(default_factory=dict)
     _pending: list[_Pending] = field(default_factory=list)
-    _outputs: list[tuple[str, mx.array]] = field(default_factory=list)
     _saved: dict[str, type] = field(default_factory=dict)
     _groups: dict[tuple[str, ...], InputStats] = field(default_factory=dict)
 
@@ -106,7 +100,6 @@ class GramCollector:
             if path in self._saved:
                 mod.__class__ = self._saved.pop(path)
         self._pending.clear()
-        self._outputs.clear()
 
     def take_inputs(self) -> dict[str, mx.array]:
         """The inputs recorded since the last flush of plain linear layers, by path, as ``[rows, in]`` float32;
@@ -129,12 +122,6 @@ class GramCollector:
         """Remember one input (called from the patched modules)."""
         self._pending.append(_Pending(path, kind, x, indices))
 
-    def record_output(self, path: str, y: mx.array, bias: mx.array | None = None) -> None:
-        """Remember a plain linear layer's output less its ``bias`` (``X W^T``), when ``outputs`` is on."""
-        if self.outputs:
-            y = y.astype(mx.float32) if bias is None else y.astype(mx.float32) - bias.astype(mx.float32)
-            self._outputs.append((path, (y * y).sum()))
-
     # ---------------------------------------------------------- accumulation
     def flush(self) -> None:
         """Fold every input recorded since the last flush into the Gram matrices."""
@@ -143,11 +130,6 @@ class GramCollector:
             key = (p.kind, id(p.x), id(p.indices) if p.indices is not None else 0)
             by_input.setdefault(key, []).append(p)
         self._pending.clear()
-        outs, self._outputs = self._outputs, []
-        if outs:
-            mx.eval([e for _, e in outs])
-        for path, e in outs:
-            self.out_energy[path] = self.out_energy.get(path, 0.0) + e.item()
         touched = []
         for entries in by_input.values():
             paths = tuple(sorted({e.path for e in entries}))
@@ -234,9 +216,7 @@ def _recording_class(cls: type, collector: GramCollector, path: str) -> type:
 
     def call(self, x, *args, **kwargs):
         collector.record(path, "linear", x)
-        y = cls.__call__(self, x, *args, **kwargs)
-        collector.record_output(path, y, self["bias"] if "bias" in self else None)
-        return y
+        return cls.__call__(self, x, *args, **kwargs)
 
     return type(cls.__name__, (cls,), {"__call__": call})
 

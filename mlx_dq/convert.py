@@ -316,7 +316,7 @@ def _write_tensors(writer: ShardWriter, stream: Any, out_dtype: Any, dtype: str)
             elif not opt.keep16:
                 seg = opt.segments[0]
                 qconf[t.path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
-            records[t.path] = tensor_record(t.qt, t.gram, t.weight, arrays, dtype, t.out_energy)
+            records[t.path] = tensor_record(t.qt, t.gram, t.weight, arrays, dtype)
         plain = {k: v.astype(out_dtype) for k, v in part.plain.items()}  # norms, biases: as they are
         other_bytes += sum(v.nbytes for v in plain.values())
         writer.add(plain)

@@ -216,13 +216,13 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
 
     ``measurement_bytes``: size of a given measurement file (copied into the output).
     """
-    layers, other, hidden, lookup_only = _shapes(source)
+    layers, other, hidden, _ = _shapes(source)
     f = flops or matmul_flops()
     meas = estimate_measure(source, method=method, flops=f, **(measure_kwargs or {})) if measure_first else None
     tokens = rows * seq_len
-    # GPTQ's updates (out x in^2 / 2; it knows its error), rounding's record error against the Gram (out x in^2);
-    # the record's reference sum comes from a layer's outputs, but is multiplied out for the embedding and head
-    per_q = 0.5 if method == "gptq" else 1
+    # GPTQ's updates (out x in^2 / 2) and the written record's reference sum (out x in^2; GPTQ knows the error);
+    # rounding: the record's error and reference sums against the Gram
+    per_q = 1.5 if method == "gptq" else 2
     macs, biggest_layer = 0.0, 0
     quant_params = 0
     for tensors in layers:
@@ -232,8 +232,7 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         macs += 2 * tokens * params  # forward + Grams, then the sequential forward with quantized weights
         macs += sum(_numel(s) * s[-1] for _, s in tensors) * per_q
     vocab = max((s[0] for _, s in other), default=0)
-    # the head's Gram needs no logits; a lookup-only table is rounded, with no Gram and no record error
-    macs += sum(_numel(s) * s[-1] for p, s in other if p not in lookup_only) * (per_q + 1)
+    macs += sum(_numel(s) * s[-1] for _, s in other) * per_q  # the head's Gram needs no logits
     quant_params += sum(_numel(s) for _, s in other)
     total_params = sum(_numel(s) for _, s in _all_params(source))
     bits = bpw if bpw is not None else 16.0

@@ -174,15 +174,13 @@ def option_quantizer(
 # --------------------------------------------------------------------------
 @dataclass
 class QuantizedModule:
-    """One quantized linear layer, expert bank or embedding: its path, module, codes, input Gram and fp32 weight
-    (``out_energy``: its summed squared outputs on the calibration rows, ``tr(W G W^T)``, when recorded)."""
+    """One quantized linear layer, expert bank or embedding: its path, module, codes, input Gram and fp32 weight."""
 
     path: str
     module: nn.Module
     qt: QuantizedTensor
     gram: mx.array | None
     weight: mx.array
-    out_energy: float | None = None
 
 
 @dataclass
@@ -215,8 +213,7 @@ def tensor_work(w: mx.array) -> int:
 
 
 def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
-                  how: StreamOptions, parallel: bool = True, energy: dict[str, float] | None = None
-                  ) -> list[QuantizedModule]:
+                  how: StreamOptions, parallel: bool = True) -> list[QuantizedModule]:
     """Quantize ``mods`` with their planned options (16-bit when unplanned); ranks share the work when distributed.
 
     ``parallel``: several tensors at once on the CPU (:mod:`mlx_dq.threads`); off for the embedding and
@@ -234,9 +231,7 @@ def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, Qu
 
     qts = thread_map(one, [(p, mod.weight, grams.get(p)) for p, mod in mods.items()], None if parallel else 1,
                      cost=lambda p, w, g: tensor_work(w))
-    energy = energy or {}
-    return [QuantizedModule(p, mod, qt, grams.get(p), mod.weight, energy.get(p) if grams.get(p) is not None else None)
-            for (p, mod), qt in zip(mods.items(), qts)]
+    return [QuantizedModule(p, mod, qt, grams.get(p), mod.weight) for (p, mod), qt in zip(mods.items(), qts)]
 
 
 def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
@@ -298,9 +293,9 @@ def quantize_stream(
     bar = tqdm(total=len(layers) + 1, desc="quantize", unit="layer", disable=not (progress and dist.is_root()))
     for i, layer in enumerate(layers):
         mods = runner.load(i)
-        with runner.collector(mods, outputs=not dist.active()) as col:  # one process: the outputs' energies too
+        with runner.collector(mods) as col:
             out = runner.forward(i, hidden, col)
-        part = StreamPart(_quantize_all(mods, col.stats, options, how, energy=col.out_energy))
+        part = StreamPart(_quantize_all(mods, col.stats, options, how))
         lp = f"{prefix}{i}."
         weights = {f"{p}.weight" for p in mods}
         part.plain = {lp + k: v for k, v in tree_flatten(layer.parameters()) if lp + k not in weights}

@@ -129,11 +129,10 @@ def publish(tmp: Path, out: Path) -> None:
 
 
 def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array],
-            dtype: str = "float16", out_energy: float | None = None) -> dict:
-    """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation);
-    ``out_energy``: ``tr(W G W^T)`` when known (summed from the layer's outputs), so it is not multiplied out."""
+            dtype: str = "float16") -> dict:
+    """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation)."""
     opt = qt.option
-    err = _output_error(qt, w, gram, out_energy) if gram is not None and not opt.keep16 else None
+    err = _output_error(qt, w, gram) if gram is not None and not opt.keep16 else None
     return {
         "option": opt.desc,
         "shape": list(qt.shape),
@@ -147,15 +146,13 @@ def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, array
     }
 
 
-def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array, den: float | None = None) -> float:
+def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array) -> float:
     """:func:`mlx_dq.quant.output_error` of the stored codes, summed over blocks of output rows (a large head
-    otherwise needs several float32 copies of itself: 5 GB of temporaries at 151,936 x 896). What is known is
-    not multiplied out again: the rows' squared errors (``qt.out_sq``, GPTQ) and the reference sum ``den``."""
+    otherwise needs several float32 copies of itself: 5 GB of temporaries at 151,936 x 896). When the quantizer
+    knows the rows' squared errors (``qt.out_sq``, GPTQ), only the reference sum is multiplied out here."""
     known = qt.out_sq
     num = 0.0 if known is None else float(np.sum(known, dtype=np.float64))
-    if known is not None and den is not None:
-        return relative_error(num, den)
-    total = 0.0
+    den = 0.0
     g = gram.astype(mx.float32)
     for sl in row_blocks(w.shape) or [slice(None)]:
         if known is None:
@@ -164,8 +161,8 @@ def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array, den: float |
         else:
             w32 = w[..., sl, :].astype(mx.float32)
             d = float(((w32 @ g) * w32).sum().item())
-        total += d
-    return relative_error(num, total if den is None else den)
+        den += d
+    return relative_error(num, den)
 
 
 def output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: str = "float16",
