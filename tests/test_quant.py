@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import mlx.core as mx
 import numpy as np
@@ -393,3 +394,20 @@ def test_bfloat16_scales_round_trip(tmp_path) -> None:
     assert np.array_equal(reference_weight(back), np.array(back.dequantize()))
     plain = quantize_weight(w, opt, gram=gram, clip=False, scale_dtype=mx.bfloat16)
     assert output_error(w, qt.dequantize(), gram) < output_error(w, plain.dequantize(), gram)
+
+
+def test_error_sums_stay_exact_beyond_float32_running_sums():
+    """Sums of millions of terms (a head's row block, a layer's outputs) are taken by rows, then in double
+    precision: MLX's CPU full reduction keeps one float32 running sum, which stops at 2^24 times a term."""
+    from mlx_dq.quant import output_error_sums, row_sums, total
+
+    ones = mx.ones((2000, 10000))
+    assert total(row_sums(ones)) == 20_000_000.0
+    w = mx.random.normal((2048, 8192), key=mx.random.key(7))
+    wq = w + 0.01
+    num, den = output_error_sums(w, wq, mx.eye(8192))
+    w64 = np.asarray(w, dtype=np.float64)
+    d64 = np.asarray(wq, dtype=np.float64) - w64
+    assert num == pytest.approx(float((d64 * d64).sum()), rel=1e-5)
+    assert den == pytest.approx(float((w64 * w64).sum()), rel=1e-5)
+    assert weight_error(w, wq) == pytest.approx(math.sqrt(float((d64 * d64).sum() / (w64 * w64).sum())), rel=1e-5)
