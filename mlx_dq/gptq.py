@@ -150,7 +150,7 @@ class HessianFactor:
     damp: float
     damp_abs: float
     extra_damp: float
-    added: np.ndarray | None = None  # [Bg, k], sequence order: what damping added to each diagonal entry
+    added: np.ndarray  # [Bg, k], sequence order: what damping added to each diagonal entry
 
     @property
     def u(self) -> np.ndarray:
@@ -387,8 +387,8 @@ class GPTQResult:
     order: np.ndarray
     damp_abs: float
     extra_damp: float
+    out_sq: np.ndarray  # [B, R]: each row's squared output error against the undamped Gram
     clipped: int | np.ndarray = 0
-    out_sq: np.ndarray | None = None  # [B, R]: each row's squared output error against the undamped Gram
 
 
 def _group_layout(option: QuantOption, in_f: int) -> list[tuple[int, int, int]]:
@@ -540,12 +540,12 @@ def gptq_core(
         if b - spans[-1] >= SPAN_COLUMNS or b == k:
             spans.append(b)
     serr = np.empty((nb, max(b1 - b0 for b0, b1 in zip(spans[:-1], spans[1:])), rows), dtype=np.float32)
-    s0, s1, span = 0, 0, rest
+    s0, s1, span, span_ends = 0, 0, rest, iter(spans[1:])
     for b0, b1 in zip(bounds[:-1], bounds[1:]):
         if b0 == s1:  # a new span: the columns beyond the last one get its errors
             if s1 > s0:
                 rest = rest - mx.matmul(u_mx[:, s0:s1, s1:].transpose(0, 2, 1), mx.array(serr[:, : s1 - s0]))
-            s0, s1 = b0, spans[spans.index(b0) + 1]
+            s0, s1 = b0, next(span_ends)
             span, rest = rest[:, : s1 - s0, :], rest[:, s1 - s0 :, :]
         err = serr[:, b0 - s0 : b1 - s0]  # this block's errors, column by column
         wt_ = _columns(span, b1 - b0)  # this block's columns; column p is wt_[:, p - b0]
@@ -598,15 +598,13 @@ def _columns(span: mx.array, n: int) -> np.ndarray:
 
 
 def _output_error_rows(esq: np.ndarray, w: np.ndarray, assumed: np.ndarray, order: np.ndarray, porder: np.ndarray,
-                       factor: HessianFactor) -> np.ndarray | None:
+                       factor: HessianFactor) -> np.ndarray:
     """Per bank and output row, ``d H d^T`` for the quantization error ``d`` (undamped ``H``), from GPTQ's own errors.
 
     GPTQ leaves ``W - Q = E U`` with ``H_damped^-1 = U^T U``, so ``(W-Q) H_damped (W-Q)^T = E E^T``:
     the row's sum of ``e^2`` less what damping added, ``sum_j added_j d_j^2``. Exact up to float
     rounding, and it costs ``rows x in`` instead of the ``rows x in^2`` of multiplying by the Gram.
     """
-    if factor.added is None:
-        return None
     k = w.shape[-1]
     added = np.empty(factor.added.shape, dtype=np.float32)
     added[:, porder] = factor.added  # storage order
@@ -750,8 +748,7 @@ def gptq_quantize_many(
     for i, option in enumerate(options):
         bank = slice(None) if len(options) == 1 else slice(i, i + 1)
         qt = _to_quantized(res, bank, option, shape, in_f, mixed)
-        if res.out_sq is not None:
-            qt.out_sq = res.out_sq[bank].reshape(shape[:-1])
+        qt.out_sq = res.out_sq[bank].reshape(shape[:-1])
         clipped = res.clipped if len(options) == 1 else int(res.clipped[i])
         qt.stats = {
             "method": "gptq",

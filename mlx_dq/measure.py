@@ -100,7 +100,7 @@ from .measurement import Measurement, TensorRecord, load_measurement, save_measu
 from .options import QuantOption
 from .grids import load_grid
 from .names import layer_index, role_of
-from .quant import output_error, quantize_weight, relative_error, row_sums, total
+from .quant import exact_sums, output_error, quantize_weight, relative_error
 from .quantize import (METHODS, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
                        quantize_tensor, row_blocks, tensor_work)
 from .safety import check_finite_weight
@@ -153,9 +153,8 @@ def _lookup_error(w: mx.array, wq: mx.array, counts: np.ndarray) -> float:
     c = mx.array(counts.astype(np.float32))[:, None]
     w32 = w.astype(mx.float32)
     d = wq.astype(mx.float32) - w32
-    num, den = row_sums(c * d * d), row_sums(c * w32 * w32)
-    mx.eval(num, den)
-    return math.sqrt(total(num) / total(den))
+    num, den = exact_sums(c * d * d, c * w32 * w32)
+    return math.sqrt(num / den)
 
 
 def fitting_options(options: Sequence[QuantOption], in_features: int) -> list[QuantOption]:
@@ -249,22 +248,20 @@ class _ErrorMeter:
     def _c(self, i: int) -> mx.array:
         return self.c if self.blocks is None else self.c[self.blocks[i]]
 
-    def _square_sum(self, x: mx.array, g: mx.array | None) -> mx.array:
-        """Row sums (:func:`~mlx_dq.quant.row_sums`) of ``x*x`` or ``(x@g)*x``, each row weighted by ``row_weights``."""
-        if g is None:
-            return row_sums(x * x if self.rw is None else self.rw * x * x)
-        return row_sums((x @ g) * x if self.rw is None else self.rw * (x @ g) * x)
+    def _squares(self, x: mx.array, g: mx.array | None) -> mx.array:
+        """The terms of ``sum(x*x)`` or ``sum((x@g)*x)``, each row weighted by ``row_weights`` when given."""
+        sq = x * x if g is None else (x @ g) * x
+        return sq if self.rw is None else self.rw * sq
 
     def _sums(self, i: int, x: mx.array) -> tuple[float, float]:
         """The (output, weight) squared sums of block ``i``'s rows ``x``: against the Gram, the token counts or plain."""
-        wsum = self._square_sum(x, None)
-        osum = wsum
+        wsq = self._squares(x, None)
         if self.g is not None:
-            osum = self._square_sum(x, self.g)
-        elif self.c is not None:
-            osum = row_sums(self._c(i) * x * x)
-        mx.eval(osum, wsum)
-        return total(osum), total(wsum)
+            return exact_sums(self._squares(x, self.g), wsq)
+        if self.c is not None:
+            return exact_sums(self._c(i) * x * x, wsq)
+        (wsum,) = exact_sums(wsq)
+        return wsum, wsum
 
     def partial(self, i: int, wq: mx.array, known: np.ndarray | None = None) -> tuple[float, float]:
         """The (output, weight) squared-error sums of block ``i`` (``wq``: that block's rows; the whole tensor when one).
@@ -274,11 +271,10 @@ class _ErrorMeter:
         d = wq.astype(mx.float32) - self._w32(i)
         if known is None or self.g is None:
             return self._sums(i, d)
-        wsum = self._square_sum(d, None)
-        mx.eval(wsum)
+        (wsum,) = exact_sums(self._squares(d, None))
         rw = None if self.rw is None else np.asarray(self.rw[:, 0], dtype=np.float64)
         osum = float(known.sum()) if rw is None else float((known * rw).sum())
-        return osum, total(wsum)
+        return osum, wsum
 
     def result(self, onum: float, wnum: float) -> tuple[float, float]:
         """(err, weight_err) from summed squared errors."""
@@ -524,7 +520,7 @@ def residual_importance(
         mod.weight = wq = wq.astype(w.dtype)
         try:
             y = layer(h, *args, **kwargs)
-            damage = total(_evaluated(row_sums((y - ref) ** 2))) / energy
+            damage = exact_sums((y - ref) ** 2)[0] / energy
         finally:
             mod.weight = w
         err = input_error(w, wq, inputs[path]) if path in inputs else output_error(w, wq, col.stats[path].gram)
@@ -538,9 +534,7 @@ def input_error(w: mx.array, wq: mx.array, x: mx.array) -> float:
     ``rows x in^2`` plus ``out x in^2`` (at Llama-3-70B's 28,672-channel input, 0.5 T instead of 8.4 T)."""
     w32 = w.astype(mx.float32)
     y, d = x @ w32.T, x @ (wq.astype(mx.float32) - w32).T
-    num, den = row_sums(d * d), row_sums(y * y)
-    mx.eval(num, den)
-    return relative_error(total(num), total(den))
+    return relative_error(*exact_sums(d * d, y * y))
 
 
 def _perturbed_output(layer: nn.Module, h: mx.array, call: tuple[tuple, dict], mods: dict[str, nn.Module],

@@ -517,12 +517,11 @@ def _clip_search_batched(
 # --------------------------------------------------------------------------
 # error measures
 # --------------------------------------------------------------------------
-SUM_CHUNK = 256  # terms per float32 partial sum (:func:`row_sums`)
+SUM_CHUNK = 256  # terms per float32 partial sum (:func:`exact_sums`)
 
 
-def row_sums(x: mx.array) -> mx.array:
-    """Float32 partial sums of ``x`` over runs of at most :data:`SUM_CHUNK` consecutive terms of its last
-    axis, for :func:`total` once evaluated."""
+def _run_sums(x: mx.array) -> mx.array:
+    """Float32 sums of ``x`` over runs of at most :data:`SUM_CHUNK` consecutive terms of its last axis."""
     x = x.astype(mx.float32)
     if x.ndim == 0:
         return x
@@ -531,23 +530,24 @@ def row_sums(x: mx.array) -> mx.array:
     return x.reshape(*x.shape[:-1], k // c, c).sum(-1)
 
 
-def total(sums: mx.array) -> float:
-    """The sum of :func:`row_sums`' result in double precision.
+def exact_sums(*terms: mx.array) -> tuple[float, ...]:
+    """The sum of all of each of ``terms``, evaluated together: MLX sums short runs, the runs' sums are added
+    in double precision.
 
     Why: MLX's CPU backend sums in one float32 running sum per reduction, which stops growing at
     ``2^24`` times the terms' size (4,096 x 14,336 squares of uniform values summed to 16,777,216,
-    14% short) and drifts long before (rows of 8,192 near-equal terms: 3e-5), so MLX sums short runs
-    and the runs' sums are added here in double precision.
+    14% short) and drifts long before (rows of 8,192 near-equal terms: 3e-5).
     """
-    return float(np.asarray(sums, dtype=np.float64).sum())
+    runs = [_run_sums(t) for t in terms]
+    mx.eval(runs)
+    return tuple(float(np.asarray(r, dtype=np.float64).sum()) for r in runs)
 
 
 def weight_error(w: mx.array, wq: mx.array) -> float:
     """Relative Frobenius error ``||Wq - W|| / ||W||`` of a quantized weight."""
     w32, d = w.astype(mx.float32), wq.astype(mx.float32) - w.astype(mx.float32)
-    num, den = row_sums(d * d), row_sums(w32 * w32)
-    mx.eval(num, den)
-    return math.sqrt(total(num) / total(den))
+    num, den = exact_sums(d * d, w32 * w32)
+    return math.sqrt(num / den)
 
 
 def output_error(w: mx.array, wq: mx.array, gram: mx.array) -> float:
@@ -564,9 +564,7 @@ def output_error_sums(w: mx.array, wq: mx.array, gram: mx.array) -> tuple[float,
     g = gram.astype(mx.float32)
     w32 = w.astype(mx.float32)
     d = wq.astype(mx.float32) - w32
-    num, den = row_sums((d @ g) * d), row_sums((w32 @ g) * w32)
-    mx.eval(num, den)
-    return total(num), total(den)
+    return exact_sums((d @ g) * d, (w32 @ g) * w32)
 
 
 def relative_error(num: float, den: float) -> float:

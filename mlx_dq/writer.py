@@ -23,7 +23,7 @@ from .formats.facts import packing_facts
 from .names import MANIFEST_NAME, MANIFEST_SCHEMA, MODEL_FILE, default_bits_group
 from .options import QuantOption
 from .optimize import Plan
-from .quant import QuantizedTensor, output_error_sums, relative_error, row_sums, total
+from .quant import QuantizedTensor, exact_sums, output_error_sums, relative_error
 from .quantize import row_blocks
 from .safety import finite_number, guard_output_folder, make_partial_folder, publish_folder
 
@@ -160,9 +160,7 @@ def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array) -> float:
             num += n
         else:
             w32 = w[..., sl, :].astype(mx.float32)
-            sums = row_sums((w32 @ g) * w32)
-            mx.eval(sums)
-            d = total(sums)
+            (d,) = exact_sums((w32 @ g) * w32)
         den += d
     return relative_error(num, den)
 

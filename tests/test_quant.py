@@ -399,10 +399,10 @@ def test_bfloat16_scales_round_trip(tmp_path) -> None:
 def test_error_sums_stay_exact_beyond_float32_running_sums():
     """Sums of millions of terms (a head's row block, a layer's outputs) are taken by rows, then in double
     precision: MLX's CPU full reduction keeps one float32 running sum, which stops at 2^24 times a term."""
-    from mlx_dq.quant import output_error_sums, row_sums, total
+    from mlx_dq.quant import exact_sums, output_error_sums
 
     ones = mx.ones((2000, 10000))
-    assert total(row_sums(ones)) == 20_000_000.0
+    assert exact_sums(ones, 2 * ones) == (20_000_000.0, 40_000_000.0)
     w = mx.random.normal((2048, 8192), key=mx.random.key(7))
     wq = w + 0.01
     num, den = output_error_sums(w, wq, mx.eye(8192))
