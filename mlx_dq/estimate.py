@@ -205,7 +205,7 @@ def _stage_peak(layers: list, other: list, biggest_layer: int, outside_bytes: in
     return max(layer_stage, outside_bytes + block(other))
 
 
-KL_STATE = 8  # perturbed copies of the importance rows carried for the KL scale (KL_SAMPLE_LAYERS)
+KL_STATE = 9  # perturbed copies of the importance rows carried for the KL scale (KL_SAMPLE_LAYERS) and the lookup
 
 
 def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len: int = 512, method: str = "gptq",

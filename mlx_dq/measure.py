@@ -54,10 +54,15 @@ and byte-identical weights at 3.5 bpw). Why measure the head end to end: on
 SmolLM2-135M the old unit-less head importance let the optimizer put the
 28M-weight tied head at 2 bits at a 3.5 bpw target;
 that head alone costs KL 0.67 (GPTQ) while the whole 3.5 bpw model measured
-0.67. A tied head's damage adds the lookup side of the same codes, predicted
-as KL-scaled importance x lookup error^2 (it cannot be carried end to end in
-the same pass, and it is not small: quantizing only SmolLM2's lookup costs KL
-0.65 at 2 bits, 0.07 at 3 bits).
+0.67. A tied head's damage adds the lookup side of the same codes: each
+lookup table, quantized alone at the reference option, gives a perturbed copy
+of the first hidden states that is carried to the logits like a sampled
+layer's, so the lookup's KL per squared lookup error is measured end to end
+(:func:`_lookup_samples`); an option's lookup damage is that ratio times its
+own squared lookup error. It is not small: quantizing only SmolLM2's lookup
+costs KL 0.65 at 2 bits, 0.07 at 3 bits; Gemma-3-270M's at 2.8 bpw 0.29,
+which the earlier prediction from layer 0's residual energy put at 0.009.
+An untied lookup table's importance is the same ratio.
 
 Options are measured with the converter's quantizer by default
 (``method="gptq"`` with the clip search), so the optimizer sees the errors
@@ -800,6 +805,7 @@ class _Run:
     sample_layers: set = field(default_factory=set)
     embed_lookup: dict = field(default_factory=dict)
     embed_importance: float = 0.0
+    lookup_weight: dict = field(default_factory=dict)  # lookup table -> KL per squared lookup error, end to end
     t_start: float = 0.0
     rates: dict = field(default_factory=dict)  # option -> [seconds, weights] measured so far on every rank
 
@@ -874,7 +880,7 @@ def _start(spec_or_source: Any, s: MeasureSettings, out_path: str | Path | None,
     if s.sample_rows:  # only when set, so measurements without it keep their settings digest
         m.extra["sample_rows"] = int(s.sample_rows)
     if kl_scale:
-        m.extra["importance"]["kl_scale"] = {"samples": []}
+        m.extra["importance"]["kl_scale"] = {"samples": [], "lookups": {}}
     digest = _digest(m.model, m.calibration, m.grid, m.extra)
     m.extra["settings_digest"] = digest
     m.extra["timing"] = {"layers_s": [], "total_s": None}
@@ -928,10 +934,53 @@ def _embed(run: _Run) -> None:
         firsts = runner.probe(flush=embed_col.flush)
     run.embed_lookup = dict(embed_col.lookups)
     h0 = mx.concatenate(firsts, axis=0)[:run.n_imp]
-    run.embed_importance = float((h0 * h0).sum().item()) / robust_energy(h0)  # lookup damage: err**2 of the total
+    run.embed_importance = float((h0 * h0).sum().item()) / robust_energy(h0)  # without kl_scale: err**2 of the total
+    if run.kl_scale:
+        _lookup_samples(run, embed_mods)
     if run.hidden is None:
         run.hidden = runner.join(firsts)
     runner.free_outside()  # back for the head stage
+
+
+def _lookup_samples(run: _Run, embed_mods: dict[str, nn.Module]) -> None:
+    """Each lookup table quantized alone at its reference option: the importance rows' first hidden states, kept
+    in ``run.carried`` (keys -1, -2, ...) to travel to the logits like a sampled layer's perturbed copy.
+
+    The head stage turns each into the lookup side's KL per squared lookup error (:func:`_lookup_kls`). Why:
+    predicted from layer 0's residual energy, Gemma-3-270M's tied lookup at 2.8 bpw was priced at KL 0.009
+    where quantizing only the lookup costs 0.29 on calibration-like text, so plans starved the embedding.
+    """
+    info = run.m.extra["importance"]["kl_scale"]["lookups"]
+    if run.start_layer > 0:  # resumed: the copies and their errors are in the saved state and measurement
+        return
+    tokens = run.tokens[:run.n_imp]
+    ids = np.unique(np.asarray(tokens))
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=int(ids.max()) + 1)[ids]
+    rows = mx.array(ids)
+    for k, path in enumerate(sorted(p for p in embed_mods if p in run.embed_lookup)):
+        mod = embed_mods[path]
+        w = mod.weight
+        ref = reference_option(_grid_options(run.grid_map, role_of(path), path), int(w.shape[-1]))
+        wq = quantize_weight(w[rows], ref, clip=run.clip).dequantize(mx.float32).astype(w.dtype)
+        info[path] = {"key": -1 - k, "option": ref.desc, "err": _lookup_error(w[rows], wq, counts)}
+        mod.weight = w.at[rows].add(wq - w[rows])  # quantization is per row: the looked-up rows are enough
+        try:
+            h0 = probe_layers(run.runner.net, tokens)[0]
+            mx.eval(h0)
+        finally:
+            mod.weight = w
+        if dist.rank() == 0:  # one copy, carried on the first rank
+            run.carried[-1 - k] = h0
+
+
+def _lookup_kls(run: _Run, head_kl: "_HeadKL") -> dict[str, float]:
+    """Each lookup table's KL per squared lookup error, from its copy carried to the final hidden states."""
+    info = run.m.extra["importance"].get("kl_scale", {}).get("lookups", {})
+    mine = {p: head_kl.kl(run.carried.pop(d["key"])) for p, d in info.items() if d["key"] in run.carried}
+    kls = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
+    for path, d in info.items():
+        d["kl"] = kls[path]
+    return {p: d["kl"] / d["err"] ** 2 if d["err"] > 0 else 0.0 for p, d in info.items()}
 
 
 def _measure_layer(run: _Run, i: int) -> None:
@@ -1114,13 +1163,14 @@ def _measure_head(run: _Run) -> None:
     m.base_perplexity = math.exp(nll / (s.rows * (s.seq_len - 1)))
     head_kl = _HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
     scale = _kl_scale(run, head_kl) if run.kl_scale else 1.0
+    run.lookup_weight = _lookup_kls(run, head_kl) if run.kl_scale else {}
     no_inputs = sorted(p for p in head_mods if head_col.stats.get(p) is None)
     if sorted(lookup_only) != no_inputs:
         raise RuntimeError(f"tables measured as lookups only {sorted(lookup_only)} differ from those the head "
                            f"did not use {no_inputs}")
     for path in lookup_only:
         if s.importance == "residual":
-            recs[path][0].importance *= scale
+            recs[path][0].importance = _lookup_weight(run, path, scale)
     rest = {p: mod for p, mod in head_mods.items() if p not in lookup_only}
     own = _share_options(run, rest)
     owner.update(own)
@@ -1140,6 +1190,11 @@ def _measure_head(run: _Run) -> None:
     del head_kl
 
 
+def _lookup_weight(run: _Run, path: str, scale: float) -> float:
+    """A lookup table's KL per squared lookup error: measured end to end when in KL units, else predicted."""
+    return run.lookup_weight.get(path, run.embed_importance * scale)
+
+
 def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCollector, head_kl: Any,
                          scale: float, owner: dict) -> tuple[TensorRecord, nn.Module, Any]:
     """One embedding or head tensor's options (end-to-end KL damage for the head when in KL units)."""
@@ -1151,11 +1206,11 @@ def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCol
     if head_kl is not None and stats is not None:
         fn = head_kl.damage_fn(mod)
         if path in embed_lookup:  # tied: the same codes also feed layer 0 through the lookup
-            fn = _add_lookup_damage(fn, mod.weight, embed_lookup[path], run.embed_importance * scale)
+            fn = _add_lookup_damage(fn, mod.weight, embed_lookup[path], _lookup_weight(run, path, scale))
     opts = _grid_options(run.grid_map, role, path)
     rec = None
     if fn is not None and not owner and s.sample_rows > 0:  # one rank: anchors end to end, the rest predicted
-        rec = _head_by_anchors(run, path, mod.weight, opts, stats, fn, run.embed_importance * scale)
+        rec = _head_by_anchors(run, path, mod.weight, opts, stats, fn, _lookup_weight(run, path, scale))
     if rec is None:
         rec = measure_tensor(path, mod.weight, opts, stats, role, lookup=lookup, clip=run.clip, method=s.method,
                              damage_fn=fn, progress=run.progress, sample_rows=s.sample_rows, only=_owned(owner, path))
@@ -1165,11 +1220,12 @@ def _measure_head_tensor(run: _Run, path: str, mod: nn.Module, head_col: GramCol
         m.tied = {"lm_head": path}
         rec.extra["tied_head"] = True
     elif stats is None and s.importance == "residual":
-        rec.importance = run.embed_importance * scale
+        rec.importance = _lookup_weight(run, path, scale)
     if fn is not None:
         rec.extra["damage"] = "KL of the next-token distribution with only this tensor quantized (head)"
         if path in embed_lookup:
-            rec.extra["damage"] += " plus the lookup side's predicted KL (KL-scaled importance x lookup error^2)"
+            rec.extra["damage"] += (" plus the lookup side's KL: lookup error^2 x the KL per squared error of the"
+                                    " lookup alone at the reference option, carried to the logits")
     return rec, mod, fn
 
 

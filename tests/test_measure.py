@@ -400,6 +400,28 @@ def test_kl_scale_matches_whole_model_kl(folders, grid_file):
     assert all(o.damage is None for k, t in m.tensors.items() if k != "lm_head" for o in t.options)
 
 
+def test_lookup_side_priced_by_its_own_kl_end_to_end(folders, grid_file):
+    """A lookup table's KL per squared lookup error comes from the lookup alone quantized in the whole model."""
+    from mlx_dq.measure import _lookup_error
+
+    folder = folders["llama"]  # untied: the embedding is only a lookup table
+    m = _run(folder, grid_file, importance_rows=2)
+    info = m.extra["importance"]["kl_scale"]["lookups"]["model.embed_tokens"]
+    emb = m.tensors["model.embed_tokens"]
+    assert emb.importance == pytest.approx(info["kl"] / info["err"] ** 2, rel=1e-9)
+    model = resolve(str(folder)).model(mx.float32)
+    tokens = _tokens(folder, 4, 48)[:2]
+    ref = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+    w = model.model.embed_tokens.weight
+    wq = quantize_weight(w, QuantOption.parse(info["option"]), clip=False).dequantize(mx.float32)
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=w.shape[0])
+    assert info["err"] == pytest.approx(_lookup_error(w, wq, counts), rel=1e-5)
+    model.model.embed_tokens.weight = wq
+    logp = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
+    kl = float((mx.exp(ref) * (ref - logp)).sum(-1).mean())
+    assert kl > 0 and info["kl"] == pytest.approx(kl, rel=0.02)
+
+
 def test_depth_kl_scales_interpolate_between_samples():
     """Layers between sampled ones get the log-linear mean of their ratios, layers beyond get the nearest's."""
     from mlx_dq.measure import depth_kl_scales
