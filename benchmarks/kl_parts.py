@@ -81,18 +81,14 @@ def main() -> None:
     if embed is not None and embed in quantized and not any(k.endswith("lm_head.weight") for k in names):  # tied
         wq, w = quantized[embed], dict(tree_flatten(src.parameters()))[embed]
 
-        def head_side(model) -> None:  # the lookup keeps the float table, the head reads the quantized one
-            emb = model.model.embed_tokens if hasattr(model, "model") else model.language_model.model.embed_tokens
-            object.__setattr__(emb, "as_linear", lambda x: x @ wq.T)
-
-        score("tied embedding: lookup side only", [(embed, wq)], patch=lambda m: _head_float(m, w))
-        score("tied embedding: head side only", [], patch=head_side)
+        score("tied embedding: lookup side only", [(embed, wq)], patch=lambda m: _head_reads(m, w))
+        score("tied embedding: head side only", [], patch=lambda m: _head_reads(m, wq))
 
 
-def _head_float(model, w: mx.array) -> None:
-    """Keep the head side of a tied embedding in float32 while its lookup reads the quantized table."""
+def _head_reads(model, table: mx.array) -> None:
+    """Make a tied embedding's head side (``as_linear``) read ``table`` whatever its lookup side reads."""
     emb = model.model.embed_tokens if hasattr(model, "model") else model.language_model.model.embed_tokens
-    object.__setattr__(emb, "as_linear", lambda x: x @ w.T)
+    object.__setattr__(emb, "as_linear", lambda x: x @ table.T)
 
 
 if __name__ == "__main__":
