@@ -60,18 +60,24 @@ def main() -> None:
     texts, source = calib.resolve_eval_texts(args.text)
     rows = calib.sample_rows(tokenizer, texts, args.rows, args.seq_len, args.seed)
     ref = evaluate.reference(src, rows)
-    names = [k for k, _ in tree_flatten(src.parameters())]
+    source_weights = dict(tree_flatten(src.parameters()))
+    names = list(source_weights)
     n_layers = 1 + max((layer_index(k) or 0) for k in names)
     print(f"{args.folder} against {base}; text {source}, {args.rows} x {args.seq_len} tokens, seed {args.seed}")
     print(f"{'quantized part':40s} {'tensors':>7s} {'KL':>8s} {'top-1':>7s}")
 
-    def score(label: str, weights: list[tuple[str, mx.array]], patch: Callable | None = None) -> None:
-        model = load_model(base, dtype=mx.float32)[0]
-        model.load_weights(weights, strict=False)
-        if patch is not None:
-            patch(model)
-        t0 = time.perf_counter()
-        r = evaluate.kl_divergence(ref, model, rows)
+    def score(label: str, weights: list[tuple[str, mx.array]], head: mx.array | None = None) -> None:
+        """The KL with ``weights`` in the source (and a tied head reading ``head``); the source is restored after."""
+        src.load_weights(weights, strict=False)
+        if head is not None:
+            object.__setattr__(_embedding(src), "as_linear", lambda x: x @ head.T)
+        try:
+            t0 = time.perf_counter()
+            r = evaluate.kl_divergence(ref, src, rows)
+        finally:
+            src.load_weights([(k, source_weights[k]) for k, _ in weights], strict=False)
+            if head is not None:
+                object.__delattr__(_embedding(src), "as_linear")
         print(f"{label:40s} {len(weights):7d} {r['kl']:8.4f} {r['top1']:7.4f}   ({time.perf_counter() - t0:.0f} s)",
               flush=True)
 
@@ -79,16 +85,13 @@ def main() -> None:
         score(label, [(k, quantized[k]) for k in names if k in quantized and belongs(k, layer_index(k))])
     embed = next((k for k in names if k.endswith("embed_tokens.weight")), None)
     if embed is not None and embed in quantized and not any(k.endswith("lm_head.weight") for k in names):  # tied
-        wq, w = quantized[embed], dict(tree_flatten(src.parameters()))[embed]
-
-        score("tied embedding: lookup side only", [(embed, wq)], patch=lambda m: _head_reads(m, w))
-        score("tied embedding: head side only", [], patch=lambda m: _head_reads(m, wq))
+        score("tied embedding: lookup side only", [(embed, quantized[embed])], head=source_weights[embed])
+        score("tied embedding: head side only", [], head=quantized[embed])
 
 
-def _head_reads(model, table: mx.array) -> None:
-    """Make a tied embedding's head side (``as_linear``) read ``table`` whatever its lookup side reads."""
-    emb = model.model.embed_tokens if hasattr(model, "model") else model.language_model.model.embed_tokens
-    object.__setattr__(emb, "as_linear", lambda x: x @ table.T)
+def _embedding(model):
+    """The embedding module of an mlx-lm language model (text-only or with a ``language_model``)."""
+    return model.model.embed_tokens if hasattr(model, "model") else model.language_model.model.embed_tokens
 
 
 if __name__ == "__main__":

@@ -954,8 +954,7 @@ def _lookup_samples(run: _Run, embed_mods: dict[str, nn.Module]) -> None:
     if run.start_layer > 0:  # resumed: the copies and their errors are in the saved state and measurement
         return
     tokens = run.tokens[:run.n_imp]
-    ids = np.unique(np.asarray(tokens))
-    counts = np.bincount(np.asarray(tokens).ravel(), minlength=int(ids.max()) + 1)[ids]
+    ids, counts = np.unique(np.asarray(tokens), return_counts=True)
     rows = mx.array(ids)
     for k, path in enumerate(sorted(p for p in embed_mods if p in run.embed_lookup)):
         mod = embed_mods[path]
@@ -963,14 +962,14 @@ def _lookup_samples(run: _Run, embed_mods: dict[str, nn.Module]) -> None:
         ref = reference_option(_grid_options(run.grid_map, role_of(path), path), int(w.shape[-1]))
         wq = quantize_weight(w[rows], ref, clip=run.clip).dequantize(mx.float32).astype(w.dtype)
         info[path] = {"key": -1 - k, "option": ref.desc, "err": _lookup_error(w[rows], wq, counts)}
+        if dist.rank() != 0:  # one copy, made and carried on the first rank
+            continue
         mod.weight = w.at[rows].add(wq - w[rows])  # quantization is per row: the looked-up rows are enough
         try:
-            h0 = probe_layers(run.runner.net, tokens)[0]
-            mx.eval(h0)
+            run.carried[-1 - k] = probe_layers(run.runner.net, tokens)[0]
+            mx.eval(run.carried[-1 - k])
         finally:
             mod.weight = w
-        if dist.rank() == 0:  # one copy, carried on the first rank
-            run.carried[-1 - k] = h0
 
 
 def _lookup_kls(run: _Run, head_kl: "_HeadKL") -> dict[str, float]:
