@@ -38,7 +38,11 @@ def parts(n_layers: int) -> dict[str, Callable[[str, int | None], bool]]:
 
 
 def main() -> None:
+    import mlx.nn as nn
+
     from mlx_dq import calib, evaluate
+    from mlx_dq.loader import _set_module
+    from mlx_dq.rowsplit import RowSplitEmbedding
     from mlx_dq.names import layer_index
     from mlx_dq.sources import load_model
 
@@ -55,6 +59,11 @@ def main() -> None:
     if base is None:
         raise SystemExit(f"{args.folder}: no source recorded in its manifest; pass --base")
     q = evaluate.dequantize_model(evaluate.load_for_eval(args.folder)[0])
+    for path, m in list(q.named_modules()):  # a table with frequent-token rows: one float table again
+        if isinstance(m, RowSplitEmbedding):
+            whole = nn.Embedding(*m.table().shape)
+            whole.weight = m.table()
+            _set_module(q, path, whole)
     quantized = dict(tree_flatten(q.parameters()))
     src, tokenizer, _ = load_model(base, dtype=mx.float32)
     texts, source = calib.resolve_eval_texts(args.text)

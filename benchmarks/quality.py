@@ -490,6 +490,7 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
     from mlx_dq import convert as conv
     from mlx_dq import measure as meas
     from mlx_dq.optimize import optimize
+    from mlx_dq.plans import available_hot_rows, with_row_splits
 
     state: dict = {}
 
@@ -523,10 +524,21 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         kw = {"method": method}
         if calib_rows:
             kw.update(rows=calib_rows, seq_len=calib_seq or conv.DEFAULT_SEQ_LEN)
+        if not compatible:  # frequent-token rows, as convert plans them
+            plan = with_row_splits(plan, hot_rows(kw), lambda b: optimize(m, b, head_option=head_option), [])
         # measuring time is reported apart (from the file: also right when it came from the cache)
         extra = {"measure_s": m.extra.get("timing", {}).get("total_s") or 0.0,
                  "spent_measuring_s": state[mm + "_s"] if first else 0.0}
         return conv.quantize_model(spec, plan, **kw)[0], extra
+
+    def hot_rows(kw: dict) -> dict[str, int]:
+        from mlx_dq import calib as calib_mod
+        from mlx_dq.settings import QuantizeSettings
+        from mlx_dq.sources import resolve
+
+        q, source = QuantizeSettings().with_options(**{k: v for k, v in kw.items() if k != "method"}), resolve(spec)
+        texts, tokens = calib_mod.calibration_rows(source.tokenizer(), q.calib, q.rows, q.seq_len, q.seed)
+        return available_hot_rows(source.config, calib_mod.text_token_ids(source.tokenizer(), texts, tokens))
 
     def build_distilled(target: float) -> tuple[nn.Module, dict]:
         from mlx_dq import calib as calib_mod

@@ -148,6 +148,12 @@ def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
+def text_token_ids(tokenizer: Any, texts: Sequence[str], rows: mx.array) -> np.ndarray:
+    """Every token of the calibration ``texts`` and of its sampled ``rows`` (their start token included): what
+    frequent-token rows are chosen from (:mod:`mlx_dq.rowsplit`)."""
+    return np.concatenate([tokenize_texts(tokenizer, texts), np.asarray(rows).astype(np.int32).ravel()])
+
+
 def bos_token(tokenizer: Any) -> int | None:
     """The token the tokenizer puts first when it encodes with special tokens (Gemma's ``<bos>``), else None.
 

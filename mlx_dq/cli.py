@@ -373,6 +373,9 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
               help="Apply this plan as is (skips measuring and optimizing): an mlx_dq plan, a dynquant manifest "
                    "or an MLX config with kept_16bit (names mapped onto the model; unmapped ones listed).")
 @click.option("--mlx-lm-compatible", is_flag=True, help="Whole-tensor options only: loads in stock mlx-lm.")
+@click.option("--frequent-rows/--no-frequent-rows", default=_P.frequent_rows, show_default=True,
+              help="Store an embedding's rows of the calibration text's tokens two widths finer, their bits taken "
+                   "from the rest of the budget (off: one option per embedding).")
 @click.option("--promote-mixed", is_flag=True,
               help="Store mixed tensors (natural channel order) losslessly as uniform ones: stock-loadable, larger.")
 @click.option("--head-option", default="budget", show_default=True,
@@ -412,7 +415,8 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--flops", type=float, default=None, help="With --estimate: this float32 FLOP/s instead of timing one.")
 @click.pass_context
 def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str, measurement: str | None,
-            plan_path: str | None, mlx_lm_compatible: bool, promote_mixed: bool, head_option: str,
+            plan_path: str | None, mlx_lm_compatible: bool, frequent_rows: bool, promote_mixed: bool,
+            head_option: str,
             keep: tuple[str, ...], keep_outside_budget: bool, calib: str | None, rows: int, seq_len: int, seed: int,
             method: str, no_sequential: bool, no_clip: bool, force: bool, dtype: str, upload_repo: str | None,
             allow_incomplete: bool, allow_other_model: bool, distill: bool = False, distill_rows: int | None = None,
@@ -434,6 +438,7 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
     if plan_path is not None:
         given = [flag for flag, on in (("--bpw", bpw is not None), ("--measurement", measurement is not None),
                                        ("--keep", bool(keep)), ("--mlx-lm-compatible", mlx_lm_compatible),
+                                       ("--no-frequent-rows", not frequent_rows),
                                        ("--head-option", head_option != "budget"),
                                        ("--keep-outside-budget", keep_outside_budget)) if on]
         if given:
@@ -463,7 +468,7 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             check_upload_ready(upload_repo)  # before any work: a long conversion must not end in "offline"
         manifest = run_convert(
             model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
-            mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed,
+            mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed, frequent_rows=frequent_rows,
             head_option=None if head_option == "budget" else head_option,
             keep=keep, keep_outside_budget=keep_outside_budget, calib=calib, rows=rows, seq_len=seq_len, seed=seed,
             method=method,

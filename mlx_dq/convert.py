@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from . import __version__
 from . import calib as calib_mod
@@ -40,7 +41,9 @@ from .measurement import Measurement, save_measurement
 from .mixed import mixed_layer_from_quantized
 from .optimize import Plan, _match, load_plan, save_plan
 from .options import QuantOption
-from .plans import model_shapes, plan_from_options, resolve_plan  # noqa: F401  (plan_from_options re-exported)
+from .plans import (available_hot_rows, model_shapes, plan_from_options,  # noqa: F401  (plan_from_options re-exported)
+                    planned_row_splits, resolve_plan)
+from .rowsplit import RowSplitEmbedding
 from .quantize import METHODS, StreamOptions, quantize_stream, quantize_tensor  # noqa: F401  (re-exported)
 from .safety import check_bpw, guard_output_folder
 from .settings import DistillSettings, PlanSettings, QuantizeSettings
@@ -67,7 +70,8 @@ def quantize_model(
 
     ``options`` are :class:`~mlx_dq.settings.QuantizeSettings` fields (float16 only).
     Uniform tensors become MLX's own quantized layers, mixed ones mlx-dq's mixed
-    layers, 16-bit ones stay as they are (rounded to float16).
+    layers, 16-bit ones stay as they are (rounded to float16); a plan's frequent-token
+    rows (``settings["row_split"]``) give :class:`~mlx_dq.rowsplit.RowSplitEmbedding` tables.
     """
     s = (settings or QuantizeSettings()).with_options(**options)
     if s.dtype != "float16" or s.promote_mixed:
@@ -79,23 +83,27 @@ def quantize_model(
         the_plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
     options_ = {e.key: QuantOption.parse(e.option) for e in the_plan.tensors}
     tokenizer = source.tokenizer()
-    _, tokens = calib_mod.calibration_rows(tokenizer, s.calib, s.rows, s.seq_len, s.seed)
+    texts, tokens = calib_mod.calibration_rows(tokenizer, s.calib, s.rows, s.seq_len, s.seed)
+    splits = planned_row_splits(the_plan, calib_mod.text_token_ids(tokenizer, texts, tokens))
     net = build_model(source.config)
     templates = dict(net.named_modules())
-    layers_new: dict[str, tuple[nn.Module, Any]] = {}
+    layers_new: dict[str, tuple[nn.Module, Any, Any]] = {}
     plain: dict[str, mx.array] = {}
     how = StreamOptions(method=s.method, sequential=s.sequential, clip=s.clip, damp=s.damp)
-    for part in quantize_stream(source, options_, tokens, how=how, progress=progress):
+    for part in quantize_stream(source, options_, tokens, how=how, progress=progress, row_splits=splits):
         for t in part.tensors:
             if t.qt.fp is not None:
                 plain[f"{t.path}.weight"] = t.qt.fp.astype(mx.float16)
                 if "bias" in t.module:
                     plain[f"{t.path}.bias"] = t.module["bias"].astype(mx.float16)
                 continue
-            layers_new[t.path] = (templates[t.path], t.qt)
+            layers_new[t.path] = (templates[t.path], t.qt, t.split)
         plain.update({k: v.astype(mx.float16) for k, v in part.plain.items()})
-    for path, (template, qt) in layers_new.items():
+    for path, (template, qt, split) in layers_new.items():
         new = mixed_layer_from_quantized(template, qt, prefer_stock=True)
+        if split is not None:
+            new = RowSplitEmbedding(mixed_layer_from_quantized(template, split.hot, prefer_stock=True), new,
+                                    mx.array(split.ids.astype(np.int32)))
         if "bias" in new:
             new.bias = plain.pop(f"{path}.bias")
         _set_module(net, path, new)
@@ -164,12 +172,16 @@ def convert(
     job.distill = distill_settings(distill, job.q)
     meas_path = job.out.parent / f".{job.out.name}.measurement.json"
     mkw = {**job.q.measure_defaults(), **(measure_kwargs or {})}
+    q = job.q
+    texts, tokens = calib_mod.calibration_rows(job.source.tokenizer(), q.calib, q.rows, q.seq_len, q.seed)
+    text_ids = calib_mod.text_token_ids(job.source.tokenizer(), texts, tokens)
     if dist.is_root() or (plan is None and measurement is None):  # measuring takes every rank
         job.plan, job.measurement = resolve_plan(
             job.source, bpw=job.p.bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
             mlx_lm_compatible=job.p.mlx_lm_compatible, head_option=job.p.head_option, keep=job.p.keep,
             measure_kwargs=mkw, progress=progress, keep_outside_budget=job.p.keep_outside_budget,
             allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, notes=job.notes,
+            hot_rows=_hot_rows(job, text_ids),
         )
     job.plan = dist.broadcast(job.plan)  # rank 0's plan is the one every rank applies
     options_ = {e.key: QuantOption.parse(e.option) for e in job.plan.tensors}
@@ -177,12 +189,10 @@ def convert(
     if unplanned and not isinstance(plan, dict):
         job.notes.append(f"{len(unplanned)} tensor(s) not in the plan stay 16-bit: {', '.join(unplanned[:4])}"
                          + (f" (and {len(unplanned) - 4} more)" if len(unplanned) > 4 else ""))
-    q = job.q
-    texts, tokens = calib_mod.calibration_rows(job.source.tokenizer(), q.calib, q.rows, q.seq_len, q.seed)
     how = StreamOptions(method=q.method, sequential=q.sequential, clip=q.clip, damp=q.damp,
                         promote_mixed=q.promote_mixed, scale_dtype=job.out_dtype)
     stream = quantize_stream(job.source, options_, tokens, how=how, progress=progress and dist.is_root(),
-                             _fail_after_layer=_fail_after_layer)
+                             row_splits=planned_row_splits(job.plan, text_ids), _fail_after_layer=_fail_after_layer)
     if not dist.is_root():  # the other ranks quantize their share; rank 0 writes the folder
         for _ in stream:
             pass
@@ -192,6 +202,14 @@ def convert(
     meas_path.unlink(missing_ok=True)
     Path(str(meas_path) + ".state.safetensors").unlink(missing_ok=True)
     return dist.broadcast(manifest)
+
+
+def _hot_rows(job: _Job, tokens: np.ndarray) -> dict[str, int]:
+    """Frequent-token rows each lookup table may store finer: the ids of the calibration text's ``tokens`` (none
+    when turned off or for stock-loadable output)."""
+    if not job.p.frequent_rows or job.p.mlx_lm_compatible or job.q.promote_mixed:
+        return {}
+    return available_hot_rows(job.source.config, tokens)
 
 
 def distill_settings(distill: bool | dict | DistillSettings | None, q: QuantizeSettings) -> DistillSettings | None:
@@ -266,11 +284,12 @@ def _write_folder(job: _Job, stream: Any, texts: Any, shard_bytes: int, force: b
     tmp = prepare_output(job.out, force)
     try:
         writer = ShardWriter(tmp, shard_bytes)
-        records, mixed, qconf, other_bytes = _write_tensors(writer, stream, job.out_dtype, dtype)
+        records, mixed, qconf, other_bytes, splits = _write_tensors(writer, stream, job.out_dtype, dtype)
         files = writer.close()
-        config = output_config(source.config, qconf, mixed, dtype, {k: r["numel"] for k, r in records.items()})
+        config = output_config(source.config, qconf, mixed, dtype, {k: r["numel"] for k, r in records.items()},
+                               splits)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if mixed:
+        if mixed or splits:
             (tmp / MODEL_FILE).write_text(MODEL_FILE_TEXT)
         hub.carry_source_files(source, tmp)  # tokenizer, chat template, generation config: unchanged
         if job.measurement is not None:
@@ -283,7 +302,7 @@ def _write_folder(job: _Job, stream: Any, texts: Any, shard_bytes: int, force: b
             settings={"method": q.method, "sequential": q.sequential, "clip": q.clip, "damp": q.damp,
                       "dtype": dtype, "promote_mixed": q.promote_mixed,
                       "mlx_lm_compatible": p.mlx_lm_compatible, "head_option": p.head_option},
-            seconds=time.perf_counter() - t_start,
+            seconds=time.perf_counter() - t_start, splits=splits,
         )
         add_facts(manifest, tmp, files, job.plan, measurement_file, job.measurement)
         manifest["provenance"]["command"] = command
@@ -300,27 +319,38 @@ def _write_folder(job: _Job, stream: Any, texts: Any, shard_bytes: int, force: b
     return manifest
 
 
-def _write_tensors(writer: ShardWriter, stream: Any, out_dtype: Any, dtype: str) -> tuple[dict, dict, dict, int]:
-    """Write every part of the stream; return the manifest records, mixed and uniform module configs, other bytes."""
+def _write_tensors(writer: ShardWriter, stream: Any, out_dtype: Any,
+                   dtype: str) -> tuple[dict, dict, dict, int, dict]:
+    """Write every part of the stream; return the manifest records, mixed and uniform module configs, other
+    bytes and the tables with frequent-token rows (path -> {"rows": n}; each part is a module of its own)."""
     records: dict[str, dict] = {}
     mixed: dict[str, dict] = {}
     qconf: dict[str, dict] = {}
+    splits: dict[str, dict] = {}
     other_bytes = 0
     for part in stream:
         for t in part.tensors:
-            arrays = tensor_arrays(t.path, t.qt, out_dtype)
-            writer.add(arrays)
-            opt = t.qt.option
-            if opt.is_mixed:
-                mixed[t.path] = {"option": opt.desc, "shape": list(t.qt.shape)}
-            elif not opt.keep16:
-                seg = opt.segments[0]
-                qconf[t.path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
-            records[t.path] = tensor_record(t.qt, t.gram, t.weight, arrays, dtype)
+            pieces = [(t.path, t.qt, t.gram)]
+            if t.split is not None:  # the parts' output errors are not metered (err null)
+                pieces = [(f"{t.path}.hot", t.split.hot, None), (f"{t.path}.cold", t.qt, None)]
+                ids = mx.array(t.split.ids.astype(np.int32))
+                writer.add({f"{t.path}.hot_ids": ids})
+                other_bytes += ids.nbytes
+                splits[t.path] = {"rows": int(ids.size)}
+            for path, qt, gram in pieces:
+                arrays = tensor_arrays(path, qt, out_dtype)
+                writer.add(arrays)
+                opt = qt.option
+                if opt.is_mixed:
+                    mixed[path] = {"option": opt.desc, "shape": list(qt.shape)}
+                elif not opt.keep16:
+                    seg = opt.segments[0]
+                    qconf[path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
+                records[path] = tensor_record(qt, gram, t.weight, arrays, dtype)
         plain = {k: v.astype(out_dtype) for k, v in part.plain.items()}  # norms, biases: as they are
         other_bytes += sum(v.nbytes for v in plain.values())
         writer.add(plain)
-    return records, mixed, qconf, other_bytes
+    return records, mixed, qconf, other_bytes, splits
 
 
 # --------------------------------------------------------------------------

@@ -142,12 +142,14 @@ def weight_storage(model: nn.Module) -> tuple[int, int]:
     Quantized weights count their packed codes plus 16 bits per scale and per bias (whatever
     dtype they are held in), unquantized ones 16 bits per element; norms, layer biases and
     other parameters are excluded, and a tied head (the embedding used as a linear) counts once.
-    mlx-dq mixed layers count ``option.storage_bits(shape)`` (their permutation included).
+    mlx-dq mixed layers count ``option.storage_bits(shape)`` (their permutation included), a table with
+    frequent-token rows its two parts plus 32 bits per hot row id.
     """
     counts = [c for c in map(_counted, _leaves(model)) if c is not None]
     if not counts:
         raise ValueError(f"{type(model).__name__} has no Linear, Embedding or expert-bank weights to count")
-    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+    ids = sum(int(m["hot_ids"].size) for m in model.modules() if type(m).__name__ == "RowSplitEmbedding")
+    return sum(c[0] for c in counts) + ids * 32, sum(c[1] for c in counts)
 
 
 def bits_per_weight(model: nn.Module) -> float:

@@ -2,9 +2,9 @@
 
 A folder with only whole-tensor options is a stock mlx-lm model: ``mlx_lm.load``
 reads it as is. A folder with mixed-proportion tensors lists them under
-``mlx_dq.mixed`` in config.json; :func:`mixed_model_classes` wraps mlx-lm's own
-model class so that those modules are mlx-dq mixed layers before mlx-lm loads
-the weights. The folder's model file uses it (``trust_remote_code``), and
+``mlx_dq.mixed`` in config.json (embeddings with frequent-token rows under
+``mlx_dq.row_split``); :func:`mixed_model_classes` wraps mlx-lm's own model class
+so that those modules are mlx-dq layers before mlx-lm loads the weights. The folder's model file uses it (``trust_remote_code``), and
 :func:`load` uses it directly, without any flag.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 import mlx.nn as nn
 
 from .mixed import empty_mixed_layer
+from .rowsplit import empty_split_layer
 
 
 def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
@@ -40,16 +41,29 @@ def install_mixed_layers(model: nn.Module, mixed: dict[str, dict]) -> nn.Module:
     return model
 
 
+def install_row_splits(model: nn.Module, splits: dict[str, dict]) -> nn.Module:
+    """Swap the embeddings named in ``splits`` (path -> {"rows": hot rows}) for empty row-split tables to load into."""
+    modules = dict(model.named_modules())
+    for path, spec in splits.items():
+        if path not in modules:
+            raise ValueError(f"config lists a row-split table {path!r} that the model does not have")
+        _set_module(model, path, empty_split_layer(modules[path], int(spec["rows"])))
+    return model
+
+
 def mixed_model_classes(config: dict) -> tuple[type, type]:
-    """mlx-lm's ``(Model, ModelArgs)`` for ``config``, with Model building mlx-dq mixed layers listed in it."""
+    """mlx-lm's ``(Model, ModelArgs)`` for ``config``, with Model building the mlx-dq mixed layers and row-split
+    tables listed in it (splits first: their parts may be mixed layers)."""
     from mlx_lm.utils import _get_classes
 
     base, args_cls = _get_classes({k: v for k, v in config.items() if k != "model_file"})
     mixed = (config.get("mlx_dq") or {}).get("mixed") or {}
+    splits = (config.get("mlx_dq") or {}).get("row_split") or {}
 
     class Model(base):  # type: ignore[misc, valid-type]
         def __init__(self, args: Any):
             super().__init__(args)
+            install_row_splits(self, splits)
             install_mixed_layers(self, mixed)
 
     Model.__name__ = Model.__qualname__ = base.__name__

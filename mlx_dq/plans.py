@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from . import measure as measure_mod
 from .capture import quantizable_modules
@@ -21,6 +21,7 @@ from .formats.exl2 import complete_head
 from .measurement import Measurement, load_measurement, measurement_complete
 from .optimize import Plan, PlanEntry, optimize
 from .options import QuantOption
+from .rowsplit import extra_bits, hot_ids, stepped_up
 from .sources import build_model
 
 def resolve_plan(
@@ -39,13 +40,15 @@ def resolve_plan(
     allow_incomplete: bool = False,
     allow_other_model: bool = False,
     notes: list[str] | None = None,
+    hot_rows: dict[str, int] | None = None,
 ) -> tuple[Plan, Measurement | None]:
     """The plan to apply: given as is, or optimized from a given or freshly measured measurement.
 
     A given measurement or plan must have been made for ``source`` (fingerprint
     and shapes; see :func:`check_belongs_to`) and a measurement
     must be complete, unless the ``allow_*`` flags say otherwise; what the
-    checks could not check goes into ``notes``.
+    checks could not check goes into ``notes``. ``hot_rows`` (lookup table ->
+    frequent-token rows available) plans those rows finer (:func:`with_row_splits`).
     """
     notes = [] if notes is None else notes
     if isinstance(plan, dict):
@@ -64,10 +67,64 @@ def resolve_plan(
     else:
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
         notes += check_measurement_input(m, measurement, source, allow_incomplete, allow_other_model)
-    p = optimize(m, bpw, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible,
-                 keep_outside_budget=keep_outside_budget)
-    complete_head(p, model_modules(source), head_option)  # an EXL2 measurement has no embedding/head
+    def plan_for(target: float) -> Plan:
+        got = optimize(m, target, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible,
+                       keep_outside_budget=keep_outside_budget)
+        complete_head(got, model_modules(source), head_option)  # an EXL2 measurement has no embedding/head
+        return got
+
+    p = plan_for(bpw)
+    if hot_rows and not mlx_lm_compatible:
+        p = with_row_splits(p, hot_rows, plan_for, notes)
     return p, m
+
+
+def row_splits(p: Plan, hot_rows: dict[str, int]) -> dict[str, dict]:
+    """The tables of ``p`` stored with frequent-token rows: in the bpw budget, listed in ``hot_rows`` (path -> rows
+    available), with an option that steps up (:func:`mlx_dq.rowsplit.stepped_up`); path -> option, rows, extra bits."""
+    out = {}
+    for e in p.tensors:
+        if e.key not in hot_rows or e.scope != "budget" or not hot_rows[e.key]:
+            continue
+        opt = QuantOption.parse(e.option)
+        up = stepped_up(opt)
+        if up is not None and up.fits(e.shape[-1]):
+            n = int(hot_rows[e.key])
+            out[e.key] = {"option": up.desc, "rows": n, "extra_bits": extra_bits(opt, n, tuple(e.shape))}
+    return out
+
+
+def with_row_splits(p: Plan, hot_rows: dict[str, int], plan_for: Callable[[float], Plan],
+                    notes: list[str]) -> Plan:
+    """``p``'s target met with frequent-token rows: replanned on a smaller budget until the rows' extra bits fit.
+
+    The rows' bits come out of the budget (the tables' measured damage does not yet count their gain); the plan
+    records them in ``settings["row_split"]`` and its used bits and averages include them.
+    """
+    plan, target = p, p.target_bpw
+    for _ in range(4):
+        splits = row_splits(plan, hot_rows)
+        extra = sum(v["extra_bits"] for v in splits.values())
+        if not splits or plan.used_bits + extra <= p.budget_bits:
+            break
+        try:
+            plan = plan_for(target - (plan.used_bits + extra - p.budget_bits) / p.numel - 1e-9)
+        except ValueError as e:  # no room for the rows below the target: plan without them
+            notes.append(f"frequent-token rows left out: {e}")
+            return p
+        target = plan.target_bpw
+    else:
+        notes.append("frequent-token rows left out: their bits did not fit the target")
+        return p
+    if not splits:
+        return plan
+    total_numel = sum(e.numel for e in plan.tensors)
+    plan.used_bits += extra
+    plan.achieved_bpw = plan.used_bits / plan.numel
+    plan.total_bpw += extra / total_numel if total_numel else 0.0
+    plan.target_bpw, plan.budget_bits = p.target_bpw, p.budget_bits
+    plan.settings = {**plan.settings, "row_split": splits}
+    return plan
 
 
 def plan_from_options(options: dict[str, str], source: Any) -> Plan:
@@ -88,6 +145,31 @@ def plan_from_options(options: dict[str, str], source: Any) -> Plan:
 
 
 # --------------------------------------------------------------------------- inputs that belong to a model
+def embedding_tables(config: dict) -> dict[str, int]:
+    """Path -> rows of every embedding (lookup table) of the model ``config`` describes (no weights)."""
+    import mlx.nn as nn
+
+    return {p: int(m.weight.shape[0]) for p, m in quantizable_modules(build_model(config)).items()
+            if isinstance(m, nn.Embedding)}
+
+
+def available_hot_rows(config: dict, ids: Any) -> dict[str, int]:
+    """Embedding path -> how many frequent-token rows the token ``ids`` give it (:func:`mlx_dq.rowsplit.hot_ids`)."""
+    return {p: int(hot_ids(ids, vocab).size) for p, vocab in embedding_tables(config).items()}
+
+
+def planned_row_splits(p: Plan, tokens: Any) -> dict[str, tuple[Any, QuantOption]]:
+    """What the quantizer needs for ``p``'s frequent-token rows: table -> (hot ids from the calibration text's
+    ``tokens``, at most the rows planned; hot option)."""
+    out = {}
+    for path, spec in (p.settings.get("row_split") or {}).items():
+        vocab = p.entry(path).shape[0]
+        ids = hot_ids(tokens, vocab, limit=int(spec["rows"]))  # another calibration than the plan's: the most frequent
+        if ids.size:
+            out[path] = (ids, QuantOption.parse(spec["option"]))
+    return out
+
+
 def model_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Module path -> weight shape of every quantizable tensor of the model ``config`` describes (no weights)."""
     return {p: tuple(int(d) for d in m.weight.shape) for p, m in quantizable_modules(build_model(config)).items()}

@@ -30,6 +30,7 @@ from . import distributed as dist
 from .gptq import DEFAULT_DAMP, batch_key, gptq_quantize, gptq_quantize_many
 from .options import QuantOption
 from .quant import QuantizedTensor, promote_to_uniform, quantize_weight
+from .rowsplit import RowSplitCodes
 from .runner import LayerRunner, free_table, head_logits, position_chunks
 from .safety import check_finite_weight
 from .settings import METHODS
@@ -91,30 +92,41 @@ def quantize_tensor(
     return promote_to_uniform(qt) if natural else qt
 
 
-def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, **kw: Any) -> QuantizedTensor:
+def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, rows: np.ndarray | None = None,
+                  **kw: Any) -> QuantizedTensor:
     """:func:`quantize_tensor` of a large tensor one block of output rows at a time (:func:`row_blocks`).
 
     Rows are independent (the Gram matrix and the channel order are the whole
     tensor's), so the codes, scales and biases equal the one-piece result;
     the packed blocks are joined. Working memory scales with the block.
     Tensors of one block go to :func:`quantize_tensor` as they are.
+    ``rows`` (indices of a 2-D ``w``): quantize only those rows, in that order.
     """
-    blocks = row_blocks(w.shape)
+    shape = tuple(int(d) for d in w.shape) if rows is None else (len(rows), int(w.shape[-1]))
+
+    def piece(sl: slice) -> mx.array:
+        return w[..., sl, :] if rows is None else mx.take(w, mx.array(rows[sl].astype(np.int32)), axis=0)
+
+    blocks = row_blocks(shape)
     if blocks is None or option.keep16:
-        return quantize_tensor(w, option, gram, **kw)
+        whole = w if rows is None else piece(slice(None))
+        if rows is not None:
+            mx.eval(whole)  # made here: a worker thread's lazy array cannot be evaluated by the caller's thread
+        return quantize_tensor(whole, option, gram, **kw)
     kw.setdefault("factor_cache", {})
     parts, count, base, best, seconds = [], 0, 0.0, 0.0, 0.0
     for sl in blocks:
-        qt = quantize_tensor(w[..., sl, :], option, gram, **kw)
+        block = piece(sl)
+        qt = quantize_tensor(block, option, gram, **kw)
         st = qt.stats
         if "clipped_fraction" in st:  # back to a count: exact (the fraction is count / size)
-            count += round(st["clipped_fraction"] * math.prod(int(d) for d in w[..., sl, :].shape))
+            count += round(st["clipped_fraction"] * math.prod(int(d) for d in block.shape))
         base, best = base + st.get("clip_base_err", 0.0), best + st.get("clip_best_err", 0.0)
         seconds += st.get("seconds", 0.0)
         mx.eval(*[a for p in qt.parts for a in p])
         parts.append(qt)
     out = parts[0]
-    out.shape = tuple(int(d) for d in w.shape)
+    out.shape = shape
     out.parts = [tuple(mx.concatenate([q.parts[j][i] for q in parts], axis=-2) for i in range(3))
                  for j in range(len(out.parts))]
     known = [q.out_sq for q in parts]
@@ -174,13 +186,15 @@ def option_quantizer(
 # --------------------------------------------------------------------------
 @dataclass
 class QuantizedModule:
-    """One quantized linear layer, expert bank or embedding: its path, module, codes, input Gram and fp32 weight."""
+    """One quantized linear layer, expert bank or embedding: its path, module, codes, input Gram and fp32 weight
+    (a table with frequent-token rows: ``qt`` holds the other rows, ``split`` the hot ones)."""
 
     path: str
     module: nn.Module
-    qt: QuantizedTensor
+    qt: QuantizedTensor  # a row-split table: its cold rows
     gram: mx.array | None
     weight: mx.array
+    split: RowSplitCodes | None = None
 
 
 @dataclass
@@ -212,30 +226,46 @@ def tensor_work(w: mx.array) -> int:
     return int(w.size) * int(w.shape[-1])
 
 
+def _quantize_one(w: mx.array, option: QuantOption, gram: mx.array | None, how: StreamOptions,
+                  split: tuple[np.ndarray, QuantOption] | None) -> tuple[QuantizedTensor, RowSplitCodes | None]:
+    """One tensor with its planned option; a table with frequent-token rows ``split`` (ids, hot option): the
+    other rows with ``option`` and the hot ones with theirs, one block of rows at a time (no copy of the table)."""
+    kw = dict(method=how.method, clip=how.clip, damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype)
+    if split is None:
+        return quantize_rows(w, option, gram, **kw), None
+    ids, hot_option = split
+    cold = np.setdiff1d(np.arange(int(w.shape[0])), ids)
+    return (quantize_rows(w, option, gram, rows=cold, **kw),
+            RowSplitCodes(ids, quantize_rows(w, hot_option, gram, rows=ids, **kw)))
+
+
 def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
-                  how: StreamOptions, parallel: bool = True) -> list[QuantizedModule]:
+                  how: StreamOptions, parallel: bool = True,
+                  splits: dict[str, tuple[np.ndarray, QuantOption]] | None = None) -> list[QuantizedModule]:
     """Quantize ``mods`` with their planned options (16-bit when unplanned); ranks share the work when distributed.
 
     ``parallel``: several tensors at once on the CPU (:mod:`mlx_dq.threads`); off for the embedding and
-    head, whose row blocks would then be in memory side by side.
+    head, whose row blocks would then be in memory side by side. ``splits``: tables stored with
+    frequent-token rows (path -> hot ids, hot option).
     """
+    splits = splits or {}
     if dist.active():
-        return list(_run_shared(mods, stats, options, how))
+        return list(_run_shared(mods, stats, options, how, splits))
     grams = {p: st.gram for p, st in stats.items() if p in mods}
     for path, mod in mods.items():
         check_finite_weight(path, mod.weight)
 
-    def one(path: str, w: mx.array, gram: mx.array | None) -> QuantizedTensor:
-        return quantize_rows(w, options.get(path, QuantOption.fp16()), gram, method=how.method, clip=how.clip,
-                             damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype)
+    def one(path: str, w: mx.array, gram: mx.array | None) -> tuple[QuantizedTensor, RowSplitCodes | None]:
+        return _quantize_one(w, options.get(path, QuantOption.fp16()), gram, how, splits.get(path))
 
     qts = thread_map(one, [(p, mod.weight, grams.get(p)) for p, mod in mods.items()], None if parallel else 1,
                      cost=lambda p, w, g: tensor_work(w))
-    return [QuantizedModule(p, mod, qt, grams.get(p), mod.weight) for (p, mod), qt in zip(mods.items(), qts)]
+    return [QuantizedModule(p, mod, qt, grams.get(p), mod.weight, split)
+            for (p, mod), (qt, split) in zip(mods.items(), qts)]
 
 
 def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
-                how: StreamOptions) -> Iterator[QuantizedModule]:
+                how: StreamOptions, splits: dict[str, tuple[np.ndarray, QuantOption]]) -> Iterator[QuantizedModule]:
     """Quantize this rank's share of ``mods`` (balanced by cost), gather every rank's, yield all in order."""
     for path, mod in mods.items():  # every rank checks every weight, so a bad one stops all ranks alike
         check_finite_weight(path, mod.weight)
@@ -246,13 +276,13 @@ def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, Quan
     for path, mod in mods.items():
         if owner[path] == dist.rank():
             st = stats.get(path)
-            mine[path] = quantize_rows(mod.weight, opts[path], st.gram if st is not None else None,
-                                       method=how.method, clip=how.clip, damp=how.damp, promote=how.promote_mixed,
-                                       scale_dtype=how.scale_dtype)
+            mine[path] = _quantize_one(mod.weight, opts[path], st.gram if st is not None else None, how,
+                                       splits.get(path))
     every = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
     for path, mod in mods.items():
         st = stats.get(path)
-        yield QuantizedModule(path, mod, every[path], st.gram if st is not None else None, mod.weight)
+        yield QuantizedModule(path, mod, every[path][0], st.gram if st is not None else None, mod.weight,
+                              every[path][1])
 
 
 def _check_plan_names(runner: LayerRunner, options: dict[str, QuantOption], source: Any) -> None:
@@ -274,6 +304,7 @@ def quantize_stream(
     how: StreamOptions | None = None,
     batch_size: int = 4,
     progress: bool = True,
+    row_splits: dict[str, tuple[np.ndarray, QuantOption]] | None = None,
     _fail_after_layer: int | None = None,
     **how_options: Any,
 ) -> Iterator[StreamPart]:
@@ -281,7 +312,8 @@ def quantize_stream(
 
     Every linear layer, expert bank and embedding is quantized with ``options``
     (16-bit when it has no entry). ``how`` (or its fields as keywords: method,
-    sequential, clip, damp, promote_mixed, scale_dtype) says how.
+    sequential, clip, damp, promote_mixed, scale_dtype) says how. ``row_splits``
+    (table path -> hot ids, hot option) stores those tables with frequent-token rows.
     """
     how = StreamOptions(**how_options) if how is None else how
     runner = LayerRunner(source, tokens, batch_size)
@@ -313,10 +345,10 @@ def quantize_stream(
     tables, first = runner.lookup_tables(), []
     for p in tables:  # an untied embedding alone (rounding: no Gram), released before the norm and head are loaded
         runner.load_outside(only=[p])
-        first += _quantize_all({p: runner.outside_modules()[p]}, {}, options, how, parallel=False)
+        first += _quantize_all({p: runner.outside_modules()[p]}, {}, options, how, parallel=False, splits=row_splits)
         free_table(runner.outside_modules()[p])
     runner.load_outside(skip=tables)
-    part = _quantize_outside(runner, hidden, options, how, skip=tables)
+    part = _quantize_outside(runner, hidden, options, how, skip=tables, splits=row_splits)
     part.tensors = first + part.tensors
     yield part
     bar.update(1)
@@ -324,7 +356,7 @@ def quantize_stream(
 
 
 def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, QuantOption],
-                      how: StreamOptions, skip: Sequence[str] = ()) -> StreamPart:
+                      how: StreamOptions, skip: Sequence[str] = (), splits: dict | None = None) -> StreamPart:
     """Embedding and head (inputs: the final hidden states through the model's norm), and the other parameters;
     ``skip``: tables quantized already (their weights are neither quantized nor written here)."""
     head_mods = {p: m for p, m in runner.outside_modules().items() if p not in skip}
@@ -338,7 +370,7 @@ def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, Quant
                 head_logits(net, tokens[sl, psl], h[:, psl])  # records the head's input; the logits are never evaluated
                 share.flush(col, b)
     dist.reduce_stats(col)
-    part = StreamPart(_quantize_all(head_mods, col.stats, options, how, parallel=False))
+    part = StreamPart(_quantize_all(head_mods, col.stats, options, how, parallel=False, splits=splits))
     done = {f"{p}.weight" for p in list(head_mods) + list(skip)}
     part.plain = {k: v for k, v in tree_flatten(net.parameters()) if not k.startswith(runner.prefix) and k not in done}
     return part

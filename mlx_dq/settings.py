@@ -158,6 +158,7 @@ class PlanSettings(_Settings):
     keep: tuple[str, ...] = field(default=())
     keep_outside_budget: bool = False
     mlx_lm_compatible: bool = False
+    frequent_rows: bool = True  # embeddings store the calibration's tokens' rows finer (mlx_dq.rowsplit)
 
 
 @dataclass(frozen=True)

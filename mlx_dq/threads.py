@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, TypeVar
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 T = TypeVar("T")
 MAX_WORKERS = 4  # beyond this the matmuls' own threads and memory for temporaries gain little
@@ -62,14 +61,18 @@ def _one_malloc_arena() -> None:
         pass
 
 
-def _arrays(obj: Any) -> list[mx.array]:
-    """The MLX arrays inside ``obj`` (nested lists, tuples and dicts; objects' ``__dict__``)."""
+def _arrays(obj: Any, depth: int = 4) -> list[mx.array]:
+    """The MLX arrays inside ``obj`` (nested lists, tuples and dicts; objects' ``__dict__``, ``depth`` levels)."""
     if isinstance(obj, mx.array):
         return [obj]
+    if depth == 0:
+        return []
     if hasattr(obj, "__dict__") and not isinstance(obj, type):
         obj = vars(obj)
-    if isinstance(obj, (list, tuple, dict)):
-        return [v for _, v in tree_flatten(obj) if isinstance(v, mx.array)]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [a for x in obj for a in _arrays(x, depth - 1)]
     return []
 
 

@@ -25,6 +25,7 @@ from .options import QuantOption
 from .optimize import Plan
 from .quant import QuantizedTensor, exact_sums, output_error_sums, relative_error
 from .quantize import row_blocks
+from .rowsplit import ID_BITS
 from .safety import finite_number, guard_output_folder, make_partial_folder, publish_folder
 
 MANIFEST_VERSION = 2  # 2: module "bits" -> "storage_bits", "dense_bytes" -> "kept16_bytes", facts added
@@ -166,8 +167,9 @@ def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array) -> float:
 
 
 def output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: str = "float16",
-                  numel: dict[str, int] | None = None) -> dict:
-    """config.json for the output: source config + mlx-lm ``quantization`` (+ ``model_file`` and mixed layers).
+                  numel: dict[str, int] | None = None, splits: dict[str, dict] | None = None) -> dict:
+    """config.json for the output: source config + mlx-lm ``quantization`` (+ ``model_file``, mixed layers and
+    tables with frequent-token rows, ``splits``: path -> {"rows": hot rows}).
 
     The folder-wide default bits and group size are the most common by weights
     (``numel`` per module), the same rule as the plan's MLX-config export.
@@ -178,32 +180,44 @@ def output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dty
         numel = numel or {}
         bits, gs = default_bits_group((e["bits"], e["group_size"], numel.get(k, 1)) for k, e in qconf.items())
         config["quantization"] = {"group_size": gs, "bits": bits, "mode": "affine", **dict(sorted(qconf.items()))}
-    if mixed:
+    if mixed or splits:
         config["model_file"] = MODEL_FILE
         config["mlx_dq"] = {"mixed": dict(sorted(mixed.items()))}
+        if splits:
+            config["mlx_dq"]["row_split"] = dict(sorted(splits.items()))
     return config
 
 
 def build_manifest(
     source: Any, plan: Plan, records: dict, mixed: dict, files: list[Path], config: dict, version: str,
     other_bytes: int, array_bytes: int, calib: dict, settings: dict, seconds: float,
+    splits: dict[str, dict] | None = None,
 ) -> dict:
-    """The accounting and provenance record written as ``mlx_dq.json``."""
+    """The accounting and provenance record written as ``mlx_dq.json``.
+
+    A table with frequent-token rows (``splits``) has one record per part (``<path>.hot``,
+    ``<path>.cold``); its hot ids are counted in ``other_bytes`` and in the average bits.
+    """
     import mlx_lm
 
+    splits = splits or {}
+    id_bits = {p: ID_BITS * int(v["rows"]) for p, v in splits.items()}
     quant = {k: r for k, r in records.items() if r["option"] != "16bit"}
-    q_bits = sum(r["storage_bits"] for r in records.values())
+    q_bits = sum(r["storage_bits"] for r in records.values())  # the ids are in other_bytes
     numel = sum(r["numel"] for r in records.values())
     budget_keys = {e.key for e in plan.tensors if e.scope == "budget"}
+    budget_keys |= {f"{p}.{part}" for p in splits if p in budget_keys for part in ("hot", "cold")}
     b_bits = sum(r["storage_bits"] for k, r in records.items() if k in budget_keys)
+    b_bits += sum(b for p, b in id_bits.items() if p in budget_keys)
     b_numel = sum(r["numel"] for k, r in records.items() if k in budget_keys)
     disk = sum(f.stat().st_size for f in files)
     packed = sum(r["storage_bits"] for r in quant.values()) // 8
     tied = {}
-    if config.get("tie_word_embeddings") or any(k.endswith("embed_tokens") for k in records) and not any(
-        k.endswith("lm_head") for k in records
+    tables = list(records) + list(splits)
+    if config.get("tie_word_embeddings") or any(k.endswith("embed_tokens") for k in tables) and not any(
+        k.endswith("lm_head") for k in tables
     ):
-        emb = [k for k in records if k.endswith("embed_tokens")]
+        emb = [k for k in tables if k.endswith("embed_tokens")]
         if emb:
             tied = {"lm_head": emb[0]}
     return {
@@ -223,15 +237,16 @@ def build_manifest(
             "quantized_elements": int(sum(r["numel"] for r in quant.values())),
             "elements": int(numel),
             "average_bits": b_bits / b_numel if b_numel else None,
-            "average_bits_all": q_bits / numel if numel else None,
+            "average_bits_all": (q_bits + sum(id_bits.values())) / numel if numel else None,
             "target_bpw": plan.target_bpw,
         },
         "tied": tied,
         "expert_banks": sorted(k for k, r in records.items() if len(r["shape"]) == 3),
         "mixed_modules": sorted(mixed),
+        "row_split_modules": dict(sorted(splits.items())),
         "loading": (
             "mlx_lm.load(path, trust_remote_code=True) / --trust-remote-code, or mlx_dq.load(path)"
-            if mixed else "mlx_lm.load(path) / mlx_lm.generate --model path"
+            if mixed or splits else "mlx_lm.load(path) / mlx_lm.generate --model path"
         ),
         "provenance": {
             "source": {"spec": source.spec, "kind": source.kind, "fingerprint": source.fingerprint(),
