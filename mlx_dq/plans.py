@@ -101,18 +101,17 @@ def with_row_splits(p: Plan, hot_rows: dict[str, int], plan_for: Callable[[float
     The rows' bits come out of the budget (the tables' measured damage does not yet count their gain); the plan
     records them in ``settings["row_split"]`` and its used bits and averages include them.
     """
-    plan, target = p, p.target_bpw
+    plan = p
     for _ in range(4):
         splits = row_splits(plan, hot_rows)
         extra = sum(v["extra_bits"] for v in splits.values())
         if not splits or plan.used_bits + extra <= p.budget_bits:
             break
-        try:
-            plan = plan_for(target - (plan.used_bits + extra - p.budget_bits) / p.numel - 1e-9)
+        try:  # a budget that leaves the rows' bits free (the table's option, and so its rows' bits, may change)
+            plan = plan_for((p.budget_bits - extra) / p.numel)
         except ValueError as e:  # no room for the rows below the target: plan without them
             notes.append(f"frequent-token rows left out: {e}")
             return p
-        target = plan.target_bpw
     else:
         notes.append("frequent-token rows left out: their bits did not fit the target")
         return p

@@ -118,6 +118,24 @@ def test_splits_that_do_not_fit_are_left_out_with_a_note():
     assert "settings" not in p.settings and "frequent-token rows left out" in notes[0]
 
 
+def test_replanning_frees_the_rows_bits_even_when_plans_leave_slack():
+    p, notes, asked = _plan("1.0:3b_64g"), [], []
+
+    def slack(target: float) -> Plan:  # like the optimizer: at or a little under the budget it is given
+        asked.append(target)
+        q = _plan("1.0:3b_64g")
+        q.budget_bits = int(target * q.numel)
+        q.used_bits = min(q.used_bits, q.budget_bits - 100)
+        return q
+
+    p.used_bits = p.budget_bits - 100
+    extra = row_splits(p, {"embed": 40})["embed"]["extra_bits"]
+    got = with_row_splits(p, {"embed": 40}, slack, notes)
+    assert not notes and got.settings["row_split"]["embed"]["rows"] == 40
+    assert got.used_bits <= p.budget_bits and got.target_bpw == p.target_bpw
+    assert asked == [pytest.approx((p.budget_bits - extra) / p.numel)]
+
+
 def test_planned_rows_keep_the_plan_count_under_other_calibration():
     p = _plan("1.0:3b_64g")
     p.settings = {"row_split": {"embed": {"option": "1.0:5b_64g", "rows": 2, "extra_bits": 0}}}
