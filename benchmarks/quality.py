@@ -525,13 +525,13 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         if calib_rows:
             kw.update(rows=calib_rows, seq_len=calib_seq or conv.DEFAULT_SEQ_LEN)
         if not compatible:  # frequent-token rows, as convert plans them
-            plan = with_row_splits(plan, hot_rows(kw), lambda b: optimize(m, b, head_option=head_option), [])
+            plan = with_row_splits(plan, hot_rows(kw), lambda b: optimize(m, b, head_option=head_option), [], m)
         # measuring time is reported apart (from the file: also right when it came from the cache)
         extra = {"measure_s": m.extra.get("timing", {}).get("total_s") or 0.0,
                  "spent_measuring_s": state[mm + "_s"] if first else 0.0}
         return conv.quantize_model(spec, plan, **kw)[0], extra
 
-    def hot_rows(kw: dict) -> dict[str, int]:
+    def hot_rows(kw: dict) -> dict:
         from mlx_dq import calib as calib_mod
         from mlx_dq.settings import QuantizeSettings
         from mlx_dq.sources import resolve

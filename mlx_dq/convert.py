@@ -43,7 +43,7 @@ from .optimize import Plan, _match, load_plan, save_plan
 from .options import QuantOption
 from .plans import (available_hot_rows, model_shapes, plan_from_options,  # noqa: F401  (plan_from_options re-exported)
                     planned_row_splits, resolve_plan)
-from .rowsplit import RowSplitEmbedding
+from .rowsplit import HotRows, RowSplitEmbedding
 from .quantize import METHODS, StreamOptions, quantize_stream, quantize_tensor  # noqa: F401  (re-exported)
 from .safety import check_bpw, guard_output_folder
 from .settings import DistillSettings, PlanSettings, QuantizeSettings
@@ -204,7 +204,7 @@ def convert(
     return dist.broadcast(manifest)
 
 
-def _hot_rows(job: _Job, tokens: np.ndarray) -> dict[str, int]:
+def _hot_rows(job: _Job, tokens: np.ndarray) -> dict[str, HotRows]:
     """Frequent-token rows each lookup table may store finer: the ids of the calibration text's ``tokens`` (none
     when turned off or for stock-loadable output)."""
     if not job.p.frequent_rows or job.p.mlx_lm_compatible or job.q.promote_mixed:

@@ -21,7 +21,7 @@ from .formats.exl2 import complete_head
 from .measurement import Measurement, load_measurement, measurement_complete
 from .optimize import Plan, PlanEntry, optimize
 from .options import QuantOption
-from .rowsplit import extra_bits, hot_ids, stepped_up
+from .rowsplit import HotRows, extra_bits, hot_counts, hot_ids, rows_worth_it, stepped_up
 from .sources import build_model
 
 def resolve_plan(
@@ -40,7 +40,7 @@ def resolve_plan(
     allow_incomplete: bool = False,
     allow_other_model: bool = False,
     notes: list[str] | None = None,
-    hot_rows: dict[str, int] | None = None,
+    hot_rows: dict[str, HotRows] | None = None,
 ) -> tuple[Plan, Measurement | None]:
     """The plan to apply: given as is, or optimized from a given or freshly measured measurement.
 
@@ -75,35 +75,54 @@ def resolve_plan(
 
     p = plan_for(bpw)
     if hot_rows and not mlx_lm_compatible:
-        p = with_row_splits(p, hot_rows, plan_for, notes)
+        p = with_row_splits(p, hot_rows, plan_for, notes, m)
     return p, m
 
 
-def row_splits(p: Plan, hot_rows: dict[str, int]) -> dict[str, dict]:
-    """The tables of ``p`` stored with frequent-token rows: in the bpw budget, listed in ``hot_rows`` (path -> rows
-    available), with an option that steps up (:func:`mlx_dq.rowsplit.stepped_up`); path -> option, rows, extra bits."""
+def row_splits(p: Plan, hot_rows: dict[str, HotRows], m: Measurement | None = None) -> dict[str, dict]:
+    """The tables of ``p`` stored with frequent-token rows: in the bpw budget, listed in ``hot_rows``, with an
+    option that steps up (:func:`mlx_dq.rowsplit.stepped_up`); path -> hot option, rows, extra bits.
+
+    With the measurement ``m`` and the plan's damage-per-bit price, only the rows that repay their bits
+    (:func:`mlx_dq.rowsplit.rows_worth_it`, from the table's measured damage at both options); else every row.
+    """
     out = {}
     for e in p.tensors:
-        if e.key not in hot_rows or e.scope != "budget" or not hot_rows[e.key]:
+        hot = hot_rows.get(e.key)
+        if hot is None or e.scope != "budget" or not hot.counts.size:
             continue
         opt = QuantOption.parse(e.option)
         up = stepped_up(opt)
-        if up is not None and up.fits(e.shape[-1]):
-            n = int(hot_rows[e.key])
+        if up is None or not up.fits(e.shape[-1]):
+            continue
+        n, rec = int(hot.counts.size), (m.tensors.get(e.key) if m is not None else None)
+        if rec is not None and p.multiplier:
+            gain = _damage_at(rec, opt) - _damage_at(rec, up)
+            n = rows_worth_it(hot, gain, p.multiplier, extra_bits(opt, n, tuple(e.shape)) / n)
+        if n:
             out[e.key] = {"option": up.desc, "rows": n, "extra_bits": extra_bits(opt, n, tuple(e.shape))}
     return out
 
 
-def with_row_splits(p: Plan, hot_rows: dict[str, int], plan_for: Callable[[float], Plan],
-                    notes: list[str]) -> Plan:
+def _damage_at(rec: Any, option: QuantOption) -> float:
+    """The damage the optimizer sees for ``option`` of tensor record ``rec``; an option not measured: the measured
+    one of most bits up to its bits (a lower damage estimate for the planned option, a higher one for finer)."""
+    below = [o for o in rec.options if o.option.nominal_bpw() <= option.nominal_bpw() + 1e-9] or rec.options
+    o = next((o for o in rec.options if o.option.desc == option.desc),
+             max(below, key=lambda o: o.option.nominal_bpw()))
+    return float(o.damage if o.damage is not None else rec.importance * (o.err or 0.0) ** 2)
+
+
+def with_row_splits(p: Plan, hot_rows: dict[str, HotRows], plan_for: Callable[[float], Plan],
+                    notes: list[str], m: Measurement | None = None) -> Plan:
     """``p``'s target met with frequent-token rows: replanned on a smaller budget until the rows' extra bits fit.
 
-    The rows' bits come out of the budget (the tables' measured damage does not yet count their gain); the plan
-    records them in ``settings["row_split"]`` and its used bits and averages include them.
+    The rows' bits come out of the budget; which rows repay them is judged from ``m`` (:func:`row_splits`). The
+    plan records them in ``settings["row_split"]`` and its used bits and averages include them.
     """
     plan = p
     for _ in range(4):
-        splits = row_splits(plan, hot_rows)
+        splits = row_splits(plan, hot_rows, m)
         extra = sum(v["extra_bits"] for v in splits.values())
         if not splits or plan.used_bits + extra <= p.budget_bits:
             break
@@ -152,9 +171,9 @@ def embedding_tables(config: dict) -> dict[str, int]:
             if isinstance(m, nn.Embedding)}
 
 
-def available_hot_rows(config: dict, ids: Any) -> dict[str, int]:
-    """Embedding path -> how many frequent-token rows the token ``ids`` give it (:func:`mlx_dq.rowsplit.hot_ids`)."""
-    return {p: int(hot_ids(ids, vocab).size) for p, vocab in embedding_tables(config).items()}
+def available_hot_rows(config: dict, ids: Any) -> dict[str, HotRows]:
+    """Embedding path -> its candidate frequent-token rows in the token ``ids`` (:func:`mlx_dq.rowsplit.hot_counts`)."""
+    return {p: hot_counts(ids, vocab) for p, vocab in embedding_tables(config).items()}
 
 
 def planned_row_splits(p: Plan, tokens: Any) -> dict[str, tuple[Any, QuantOption]]:

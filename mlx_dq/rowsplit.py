@@ -54,6 +54,31 @@ def hot_ids(tokens: np.ndarray | mx.array, vocab: int, cap: float = HOT_CAP, lim
     return np.sort(seen).astype(np.int32)
 
 
+@dataclass(frozen=True)
+class HotRows:
+    """A table's candidate rows: how often each one's token occurs (most frequent first) among ``total`` tokens."""
+
+    counts: np.ndarray
+    total: int
+
+
+def hot_counts(tokens: np.ndarray | mx.array, vocab: int, cap: float = HOT_CAP) -> HotRows:
+    """The counts of the ids :func:`hot_ids` picks from ``tokens``, most frequent first."""
+    flat = np.asarray(tokens).astype(np.int64).ravel()
+    counts = np.bincount(flat[(flat >= 0) & (flat < vocab)], minlength=vocab)
+    picked = counts[hot_ids(flat, vocab, cap)]
+    return HotRows(np.sort(picked)[::-1], int(flat.size))
+
+
+def rows_worth_it(hot: HotRows, gain: float, price: float, row_bits: float) -> int:
+    """How many of the most frequent rows repay their bits: a row's share of the table's damage gain
+    (``gain``: damage at the planned option less damage at the finer one; a row's share is its token's
+    share of the text) above ``price`` (damage per bit at the plan's budget) x ``row_bits``."""
+    if hot.total <= 0 or gain <= 0:
+        return 0
+    return int(np.count_nonzero(hot.counts / hot.total * gain > price * row_bits))
+
+
 def extra_bits(option: QuantOption, n_hot: int, shape: tuple[int, int]) -> int:
     """Bits that storing ``n_hot`` rows of a ``[rows, dims]`` table at :func:`stepped_up` ``option`` adds: both
     parts (each with its own permutation when mixed) and the ids, less the one table."""

@@ -18,12 +18,14 @@ from mlx_dq.cli import main
 from mlx_dq.convert import convert, quantize_model
 from mlx_dq.options import QuantOption
 from mlx_dq.plans import planned_row_splits, row_splits, with_row_splits
-from mlx_dq.rowsplit import ID_BITS, RowSplitEmbedding, extra_bits, hot_ids, stepped_up
+from mlx_dq.rowsplit import (ID_BITS, HotRows, RowSplitEmbedding, extra_bits, hot_counts, hot_ids, rows_worth_it,
+                             stepped_up)
 from mlx_dq.optimize import Plan, PlanEntry
 
 CALIB = {"rows": 4, "seq_len": 32, "progress": False}
 TOKENS = mx.array([[1, 5, 9, 17, 33, 65, 2, 7]])
-GRID = ["1.0:2b_64g", "1.0:3b_64g", "0.25:4b_64g/0.75:3b_64g", "1.0:4b_64g"]
+GRID = ["1.0:2b_64g", "1.0:3b_64g", "0.25:4b_64g/0.75:3b_64g", "1.0:4b_64g", "1.0:5b_64g"]
+HOT = {"embed": HotRows(np.array([900, 500, 300] + [10] * 37), 5000)}
 
 
 @pytest.mark.parametrize("desc, want", [
@@ -45,6 +47,14 @@ def test_hot_ids_are_the_seen_ids_sorted_and_capped_by_frequency():
     assert hot_ids(tokens, 100, cap=2 / 100).tolist() == [0, 7]  # 7 (4 times), then the lowest id seen 3 times
     assert hot_ids(tokens, 12).tolist() == [7]  # the default cap: an eighth of the rows
     assert hot_ids(np.array([[5, 140]]), 100).tolist() == [5]  # ids outside the table are ignored
+
+
+def test_rows_repay_their_bits_by_their_tokens_share_of_the_gain():
+    hot = hot_counts(np.array([[3, 3, 3, 3, 3, 8, 8, 8, 1, 2]]), 100)
+    assert hot.counts.tolist() == [5, 3, 1, 1] and hot.total == 10
+    assert rows_worth_it(hot, gain=1.0, price=0.001, row_bits=100) == 2  # shares 0.5 and 0.3 beat 0.1; 0.1 does not
+    assert rows_worth_it(hot, gain=1.0, price=0.0, row_bits=100) == 4
+    assert rows_worth_it(hot, gain=0.0, price=0.0, row_bits=100) == 0  # no gain, no rows
 
 
 @pytest.mark.parametrize("desc", ["1.0:3b_64g", "0.25:4b_64g/0.75:3b_64g"])
@@ -101,10 +111,10 @@ def _plan(option: str, scope: str = "budget") -> Plan:
 
 
 def test_row_splits_need_a_budget_table_with_room_to_step_up():
-    assert set(row_splits(_plan("1.0:3b_64g"), {"embed": 40})) == {"embed"}
-    assert row_splits(_plan("1.0:3b_64g", scope="head"), {"embed": 40}) == {}  # a fixed head option stays as given
-    assert row_splits(_plan("1.0:8b_64g"), {"embed": 40}) == {}
-    assert row_splits(_plan("1.0:3b_64g"), {"embed": 0}) == {}
+    assert row_splits(_plan("1.0:3b_64g"), HOT)["embed"]["rows"] == 40  # no measurement: every candidate row
+    assert row_splits(_plan("1.0:3b_64g", scope="head"), HOT) == {}  # a fixed head option stays as given
+    assert row_splits(_plan("1.0:8b_64g"), HOT) == {}
+    assert row_splits(_plan("1.0:3b_64g"), {"embed": HotRows(np.array([], dtype=int), 0)}) == {}
 
 
 def test_splits_that_do_not_fit_are_left_out_with_a_note():
@@ -114,7 +124,7 @@ def test_splits_that_do_not_fit_are_left_out_with_a_note():
         raise ValueError(f"{target:.3f} bpw is below the smallest achievable size")
 
     p.budget_bits = p.used_bits  # nothing left for the rows
-    assert with_row_splits(p, {"embed": 40}, no_room, notes) is p
+    assert with_row_splits(p, HOT, no_room, notes) is p
     assert "settings" not in p.settings and "frequent-token rows left out" in notes[0]
 
 
@@ -129,8 +139,8 @@ def test_replanning_frees_the_rows_bits_even_when_plans_leave_slack():
         return q
 
     p.used_bits = p.budget_bits - 100
-    extra = row_splits(p, {"embed": 40})["embed"]["extra_bits"]
-    got = with_row_splits(p, {"embed": 40}, slack, notes)
+    extra = row_splits(p, HOT)["embed"]["extra_bits"]
+    got = with_row_splits(p, HOT, slack, notes)
     assert not notes and got.settings["row_split"]["embed"]["rows"] == 40
     assert got.used_bits <= p.budget_bits and got.target_bpw == p.target_bpw
     assert asked == [pytest.approx((p.budget_bits - extra) / p.numel)]
@@ -146,7 +156,7 @@ def test_planned_rows_keep_the_plan_count_under_other_calibration():
 def _convert(src: Path, out: Path, **kw) -> dict:
     grid = out.parent / "grid.json"
     grid.write_text(json.dumps({"roles": {"default": GRID}}))
-    return convert(str(src), out, bpw=3.2, measure_kwargs={"grid": str(grid), "rows": 4, "seq_len": 32}, **kw,
+    return convert(str(src), out, bpw=2.7, measure_kwargs={"grid": str(grid), "rows": 4, "seq_len": 32}, **kw,
                    **CALIB)
 
 
@@ -161,7 +171,7 @@ def test_convert_plans_writes_and_loads_frequent_rows_within_the_target(tiny_qwe
         QuantOption.parse(mods["model.embed_tokens.cold"]["option"])).desc
     assert manifest["tied"] == {"lm_head": "model.embed_tokens"}
     acc = manifest["accounting"]
-    assert acc["average_bits"] <= 3.2 and acc["predicted_bytes"] == acc["array_bytes"]
+    assert acc["average_bits"] <= 2.7 and acc["predicted_bytes"] == acc["array_bytes"]
     assert plan["achieved_bpw"] == pytest.approx(acc["average_bits"])
 
     model, _ = mlx_dq.load(out)
