@@ -818,7 +818,8 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
             + (f" and `--grid {dq_grid}`" if dq_grid else "")
             + (f"; planned from the saved measurement `{dq_measurement.name}`" if dq_measurement else "")
             + ", converted with GPTQ); embedding/head: "
-            f"{'chosen by the optimizer inside the target' if head_option == 'budget' else head_option}; "
+            f"{'chosen by the optimizer inside the target' if head_option == 'budget' else head_option}"
+            ", with the frequent-token rows `convert` plans (README: What is measured); "
             "`--mlx-lm-compatible` plans use whole-tensor options only; '(no compensation)' rows are measured "
             "with rounding (`measure --method rtn`) and quantized with rounding + clip search (`convert --method "
             "rtn`) instead of GPTQ.",

@@ -1,18 +1,18 @@
-"""Frequent-token rows: a lookup table stored one width finer on the rows of the tokens text uses.
+"""Frequent-token rows: a lookup table stored two widths finer on the rows of the tokens text uses most.
 
 An embedding row is read once per occurrence of its token, and as a tied head its
 logit matters about as often as the token is predicted, so the few thousand tokens
 that make up most text carry most of a large vocabulary's damage. On Gemma-3-270M
 (262,144 rows) the 5,165 tokens of the calibration text are 70% of a Shakespeare
-sample's tokens; storing their rows two widths up (3 -> 5 bits) costs 0.025 bits per
-weight of the model and took its 3.5 bpw KL there from 0.497 to 0.372 (one width up:
-0.430; the hot rows rounded to nearest, measured with ``benchmarks/kl_parts.py``'s setup).
+sample's tokens; rounding their rows at 5 bits in its 3.5 bpw model (table at 3 bits)
+took the KL there from 0.497 to 0.372 (at 4 bits: 0.430), for 0.025 bits per weight.
 
 Such a table becomes a :class:`RowSplitEmbedding`: two quantized tables (``hot``:
 the listed rows at the stepped-up option; ``cold``: the others at the planned one)
-and the sorted ids of the hot rows. The ids come from the conversion's calibration
-rows (:func:`hot_ids`); the bits they cost are taken from the rest of the plan
-(:mod:`mlx_dq.plans`), so the bits-per-weight target still holds.
+and the sorted ids of the hot rows. The candidates are the calibration text's
+tokens (:func:`hot_counts`); :mod:`mlx_dq.plans` keeps the rows that repay their
+bits (:func:`rows_worth_it`) and takes those bits from the rest of the plan, so the
+bits-per-weight target still holds.
 """
 
 from __future__ import annotations
