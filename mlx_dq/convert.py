@@ -43,8 +43,8 @@ from .optimize import Plan, _match, load_plan, save_plan
 from .options import QuantOption
 from .plans import (available_hot_rows, model_shapes, plan_from_options,  # noqa: F401  (plan_from_options re-exported)
                     planned_row_splits, resolve_plan)
-from .rowsplit import HotRows, RowSplitEmbedding
 from .quantize import METHODS, StreamOptions, quantize_stream, quantize_tensor  # noqa: F401  (re-exported)
+from .rowsplit import HotRows, RowSplitEmbedding
 from .safety import check_bpw, guard_output_folder
 from .settings import DistillSettings, PlanSettings, QuantizeSettings
 from .sources import build_model, resolve

@@ -4,8 +4,9 @@ A folder with only whole-tensor options is a stock mlx-lm model: ``mlx_lm.load``
 reads it as is. A folder with mixed-proportion tensors lists them under
 ``mlx_dq.mixed`` in config.json (embeddings with frequent-token rows under
 ``mlx_dq.row_split``); :func:`mixed_model_classes` wraps mlx-lm's own model class
-so that those modules are mlx-dq layers before mlx-lm loads the weights. The folder's model file uses it (``trust_remote_code``), and
-:func:`load` uses it directly, without any flag.
+so that those modules are mlx-dq layers before mlx-lm loads the weights. The
+folder's model file uses it (``trust_remote_code``), and :func:`load` uses it
+directly, without any flag.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def _one_malloc_arena() -> None:
         pass
 
 
-def _arrays(obj: Any, depth: int = 4) -> list[mx.array]:
+def _arrays(obj: Any, depth: int = 8) -> list[mx.array]:
     """The MLX arrays inside ``obj`` (nested lists, tuples and dicts; objects' ``__dict__``, ``depth`` levels)."""
     if isinstance(obj, mx.array):
         return [obj]

@@ -79,3 +79,22 @@ def test_thread_map_starts_the_costliest_first():
 
     assert thread_map(fn, [0, 1, 2, 3, 4], 2, cost=lambda i: i) == [0, 1, 4, 9, 16]
     assert started[:2] and set(started[:2]) == {4, 3}  # the two dearest went to the two threads first
+
+
+def test_results_arrays_are_found_inside_nested_objects():
+    from dataclasses import dataclass
+
+    from mlx_dq.threads import _arrays
+
+    @dataclass
+    class Inner:
+        parts: list
+
+    @dataclass
+    class Outer:
+        ids: object
+        inner: Inner
+
+    a, b, c = mx.array([1.0]), mx.array([2.0]), mx.array([3.0])
+    found = _arrays((Inner([(a, b)]), None, Outer(ids=[1, 2], inner=Inner([(c,)]))))
+    assert sorted(float(x.item()) for x in found) == [1.0, 2.0, 3.0]
