@@ -255,11 +255,6 @@ def _build(
     def allowed(opt: QuantOption) -> bool:
         return not (mlx_lm_compatible and opt.is_mixed)
 
-    def dmg(err: float | None, importance: float, damage: float | None = None) -> float:
-        if damage is not None:  # measured end to end (the head): no model needed
-            return float(damage)
-        return 0.0 if err is None else importance * float(err) ** err_power
-
     grouped = m.grouped_keys()
     tied_alias = {k for k in m.tied if k in m.tensors and m.tied[k] in m.tensors}
     for t in m.tensors.values():
@@ -282,7 +277,8 @@ def _build(
                              + (" (only mixed options were measured)" if mlx_lm_compatible else ""))
         items.append(_Item(
             t.key, [t.key], t.numel, np.array([r.total_bits for r in recs], dtype=np.int64),
-            np.array([dmg(r.err, t.importance, r.damage) for r in recs]), recs, [r.err for r in recs],
+            np.array([option_damage(r.err, t.importance, r.damage, err_power) for r in recs]), recs,
+            [r.err for r in recs],
         ))
     for g in m.groups.values():
         opts = [o for o in g.options if all(allowed(r.option) for r in o.members.values())]
@@ -292,7 +288,7 @@ def _build(
         items.append(_Item(
             g.key, list(g.members), sum(m.tensors[k].numel for k in g.members),
             np.array([o.total_bits for o in opts], dtype=np.int64),
-            np.array([dmg(o.err, g.importance) for o in opts]), opts, [o.err for o in opts],
+            np.array([option_damage(o.err, g.importance, None, err_power) for o in opts]), opts, [o.err for o in opts],
         ))
 
     # explicit keep list, then the keep-most-sensitive rule per part
@@ -337,6 +333,14 @@ def _build(
     return _Problem(items, fixed, sorted(kept), numel_budget, budget, float(target_bpw), settings)
 
 
+def option_damage(err: float | None, importance: float, damage: float | None = None, err_power: float = 2.0) -> float:
+    """The damage the optimizer counts for one measured option: ``damage`` where it was measured end to end (the
+    head), else ``importance * err ** err_power`` (0 without an error: a joint option's members)."""
+    if damage is not None:
+        return float(damage)
+    return 0.0 if err is None else importance * float(err) ** err_power
+
+
 def _sensitivity(it: _Item, target: float) -> float:
     """Damage at the choice nearest the target bpw: how much this item suffers at this budget."""
     bpw = it.bits / it.numel
@@ -356,7 +360,7 @@ def _member_sensitivity(it: _Item, key: str, m: Measurement, target: float) -> f
     own = [r for r in t.options if r.err is not None]
     if own:
         r = min(own, key=lambda r: abs(r.bpw - target))
-        return float(t.importance * r.err ** 2) if r.damage is None else float(r.damage)
+        return option_damage(r.err, t.importance, r.damage)
     rows = [(c.members[key].total_bits, float(d)) for c, d in zip(it.choices, it.damage)
             if getattr(c, "members", None) and c.members.get(key) is not None]
     if len(rows) < 2:

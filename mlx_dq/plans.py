@@ -19,7 +19,7 @@ from .formats import load_plan_any
 from .formats.common import model_modules
 from .formats.exl2 import complete_head
 from .measurement import Measurement, load_measurement, measurement_complete
-from .optimize import Plan, PlanEntry, optimize
+from .optimize import Plan, PlanEntry, optimize, option_damage
 from .options import QuantOption
 from .rowsplit import HotRows, extra_bits, hot_counts, hot_ids, rows_worth_it, stepped_up
 from .sources import build_model
@@ -110,7 +110,7 @@ def _damage_at(rec: Any, option: QuantOption) -> float:
     below = [o for o in rec.options if o.option.nominal_bpw() <= option.nominal_bpw() + 1e-9] or rec.options
     o = next((o for o in rec.options if o.option.desc == option.desc),
              max(below, key=lambda o: o.option.nominal_bpw()))
-    return float(o.damage if o.damage is not None else rec.importance * (o.err or 0.0) ** 2)
+    return option_damage(o.err, rec.importance, o.damage)
 
 
 def with_row_splits(p: Plan, hot_rows: dict[str, HotRows], plan_for: Callable[[float], Plan],

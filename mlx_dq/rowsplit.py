@@ -42,16 +42,21 @@ def stepped_up(option: QuantOption, steps: int = HOT_STEPS) -> QuantOption | Non
     return QuantOption(tuple(Segment(b, s.group_size, s.prop) for b, s in zip(up, option.segments)))
 
 
-def hot_ids(tokens: np.ndarray | mx.array, vocab: int, cap: float = HOT_CAP, limit: int | None = None) -> np.ndarray:
-    """The sorted ids (int32) occurring in ``tokens``; when more than ``limit`` (default ``cap * vocab``), the most
-    frequent ones (ties: lower ids first)."""
+def _picked(tokens: np.ndarray | mx.array, vocab: int, limit: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The ids occurring in ``tokens`` (at most ``limit``: the most frequent, ties lower ids first), their counts,
+    and the number of tokens."""
     flat = np.asarray(tokens).astype(np.int64).ravel()
     counts = np.bincount(flat[(flat >= 0) & (flat < vocab)], minlength=vocab)
     seen = np.nonzero(counts)[0]
-    limit = int(cap * vocab) if limit is None else limit
     if seen.size > limit:
         seen = seen[np.argsort(-counts[seen], kind="stable")[:limit]]
-    return np.sort(seen).astype(np.int32)
+    return seen, counts[seen], int(flat.size)
+
+
+def hot_ids(tokens: np.ndarray | mx.array, vocab: int, cap: float = HOT_CAP, limit: int | None = None) -> np.ndarray:
+    """The sorted ids (int32) occurring in ``tokens``; when more than ``limit`` (default ``cap * vocab``), the most
+    frequent ones (ties: lower ids first)."""
+    return np.sort(_picked(tokens, vocab, int(cap * vocab) if limit is None else limit)[0]).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,8 @@ class HotRows:
 
 def hot_counts(tokens: np.ndarray | mx.array, vocab: int, cap: float = HOT_CAP) -> HotRows:
     """The counts of the ids :func:`hot_ids` picks from ``tokens``, most frequent first."""
-    flat = np.asarray(tokens).astype(np.int64).ravel()
-    counts = np.bincount(flat[(flat >= 0) & (flat < vocab)], minlength=vocab)
-    picked = counts[hot_ids(flat, vocab, cap)]
-    return HotRows(np.sort(picked)[::-1], int(flat.size))
+    _, counts, total = _picked(tokens, vocab, int(cap * vocab))
+    return HotRows(np.sort(counts)[::-1], total)
 
 
 def rows_worth_it(hot: HotRows, gain: float, price: float, row_bits: float) -> int:
