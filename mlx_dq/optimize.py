@@ -305,7 +305,7 @@ def _build(
             for k in it.members:
                 p = _part_of(k, parts)
                 if p is not None:
-                    per_part.setdefault(p, []).append((ref_sens[it.key], _member_sensitivity(it, k, m, target_bpw), k))
+                    per_part.setdefault(p, []).append((ref_sens[it.key], _member_sensitivity(it, k, m, target_bpw, err_power), k))
         rule = keep_most_sensitive
         for p, lst in per_part.items():
             n = rule if isinstance(rule, int) else int(rule.get(p, 0))
@@ -347,7 +347,7 @@ def _sensitivity(it: _Item, target: float) -> float:
     return float(it.damage[int(np.argmin(np.abs(bpw - target)))])
 
 
-def _member_sensitivity(it: _Item, key: str, m: Measurement, target: float) -> float:
+def _member_sensitivity(it: _Item, key: str, m: Measurement, target: float, err_power: float = 2.0) -> float:
     """A member's own measured damage near the target, to order tensors whose items tie.
 
     A whole tensor: its item's damage. A joint member: its own error where one was measured,
@@ -360,7 +360,7 @@ def _member_sensitivity(it: _Item, key: str, m: Measurement, target: float) -> f
     own = [r for r in t.options if r.err is not None]
     if own:
         r = min(own, key=lambda r: abs(r.bpw - target))
-        return option_damage(r.err, t.importance, r.damage)
+        return option_damage(r.err, t.importance, r.damage, err_power)
     rows = [(c.members[key].total_bits, float(d)) for c, d in zip(it.choices, it.damage)
             if getattr(c, "members", None) and c.members.get(key) is not None]
     if len(rows) < 2:

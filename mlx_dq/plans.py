@@ -97,20 +97,21 @@ def row_splits(p: Plan, hot_rows: dict[str, HotRows], m: Measurement | None = No
             continue
         n, rec = int(hot.counts.size), (m.tensors.get(e.key) if m is not None else None)
         if rec is not None and p.multiplier:
-            gain = _damage_at(rec, opt) - _damage_at(rec, up)
+            power = float(p.settings.get("err_power", 2.0))
+            gain = _damage_at(rec, opt, power) - _damage_at(rec, up, power)
             n = rows_worth_it(hot, gain, p.multiplier, extra_bits(opt, n, tuple(e.shape)) / n)
         if n:
             out[e.key] = {"option": up.desc, "rows": n, "extra_bits": extra_bits(opt, n, tuple(e.shape))}
     return out
 
 
-def _damage_at(rec: Any, option: QuantOption) -> float:
+def _damage_at(rec: Any, option: QuantOption, err_power: float = 2.0) -> float:
     """The damage the optimizer sees for ``option`` of tensor record ``rec``; an option not measured: the measured
     one of most bits up to its bits (a lower damage estimate for the planned option, a higher one for finer)."""
     below = [o for o in rec.options if o.option.nominal_bpw() <= option.nominal_bpw() + 1e-9] or rec.options
     o = next((o for o in rec.options if o.option.desc == option.desc),
              max(below, key=lambda o: o.option.nominal_bpw()))
-    return option_damage(o.err, rec.importance, o.damage)
+    return option_damage(o.err, rec.importance, o.damage, err_power)
 
 
 def with_row_splits(p: Plan, hot_rows: dict[str, HotRows], plan_for: Callable[[float], Plan],

@@ -314,3 +314,18 @@ def test_measured_damage_overrides_importance_times_err() -> None:
     assert optimize(m, target, head_option=None).entry("lm_head").option == dear.desc
     head.options[0].damage, head.options[1].damage = 0.0, 0.0  # and free: the budget goes to the layers
     assert optimize(m, target, head_option=None).entry("lm_head").option == cheap.desc
+
+
+def test_joint_members_are_ordered_by_damage_at_the_plans_error_power() -> None:
+    """A joint member's own damage (the keep rule's tie order) uses the optimizer's ``err_power``, not 2."""
+    from types import SimpleNamespace
+
+    from mlx_dq.optimize import _member_sensitivity
+
+    rec = SimpleNamespace(importance=3.0, options=[SimpleNamespace(err=0.5, damage=None, bpw=3.5),
+                                                   SimpleNamespace(err=0.1, damage=None, bpw=5.5)])
+    it = SimpleNamespace(members={"a": 1, "b": 1})
+    m = SimpleNamespace(tensors={"a": rec})
+    assert _member_sensitivity(it, "a", m, 3.5, 1.0) == pytest.approx(3.0 * 0.5)
+    assert _member_sensitivity(it, "a", m, 3.5, 2.0) == pytest.approx(3.0 * 0.25)
+    assert _member_sensitivity(it, "a", m, 5.4, 3.0) == pytest.approx(3.0 * 0.1**3)

@@ -110,6 +110,24 @@ def _plan(option: str, scope: str = "budget") -> Plan:
                 budget_bits=int(3.6 * 136192), used_bits=used, numel=136192, total_bpw=used / 136192, tensors=entries)
 
 
+def test_row_splits_price_the_rows_with_the_plans_error_power():
+    """The rows' gain is the damage the optimizer saw: ``importance * err ** err_power`` with the plan's power."""
+    from types import SimpleNamespace
+    opts = [SimpleNamespace(option=QuantOption.parse(d), err=e, damage=None)
+            for d, e in (("1.0:3b_64g", 0.5), ("1.0:5b_64g", 0.1))]
+    m = SimpleNamespace(tensors={"embed": SimpleNamespace(importance=1.0, options=opts)})
+    n = HOT["embed"].counts.size
+    row_bits = extra_bits(QuantOption.parse("1.0:3b_64g"), n, (1000, 128)) / n
+    price = 6e-4 / row_bits  # the rarest rows (share 0.002) repay a gain of 0.4 (power 1), not one of 0.24 (power 2)
+    got = {}
+    for power in (1.0, 2.0):
+        p = _plan("1.0:3b_64g")
+        p.multiplier, p.settings = price, {"err_power": power}
+        got[power] = row_splits(p, HOT, m)["embed"]["rows"]
+        assert got[power] == rows_worth_it(HOT["embed"], 0.5**power - 0.1**power, price, row_bits)
+    assert (got[1.0], got[2.0]) == (40, 3)
+
+
 def test_row_splits_need_a_budget_table_with_room_to_step_up():
     assert row_splits(_plan("1.0:3b_64g"), HOT)["embed"]["rows"] == 40  # no measurement: every candidate row
     assert row_splits(_plan("1.0:3b_64g", scope="head"), HOT) == {}  # a fixed head option stays as given
