@@ -152,11 +152,13 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
     from mlx_dq.formats import json_kind
     from mlx_dq.safety import guard_output_file
 
+    cost = dict(rows=rows, seq_len=seq_len, grid=grid, method=method, kl_scale=kl_scale and importance == "residual",
+                sample_rows=sample_rows)
     if estimate:
-        _print_estimate(model_spec, flops, "measure", rows=rows, seq_len=seq_len, grid=grid, method=method,
-                        kl_scale=kl_scale and importance == "residual", sample_rows=sample_rows)
+        _print_estimate(model_spec, flops, "measure", **cost)
         return
     t0 = time.perf_counter()
+    _announce(model_spec, "measure", **cost)
     try:
         guard_output_file(output, "-o/--output", force=force, kind="a measurement",
                           inputs=[("calibration text", calib), ("grid", grid), ("model", model_spec)],
@@ -456,13 +458,13 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             raise click.BadParameter(str(e), param_hint="--head-option") from None
     d_settings = _distill_settings(distill, calib, seed, rows=distill_rows, seq_len=distill_seq_len,
                                    steps=distill_steps, lr=distill_lr)
+    cost = dict(bpw=bpw, rows=rows, seq_len=seq_len, method=method, distill=d_settings,
+                measure_first=measurement is None and plan_path is None, measure_kwargs={"rows": rows, "seq_len": seq_len},
+                measurement_bytes=Path(measurement).stat().st_size if measurement else None)
     if estimate:
-        _print_estimate(model_spec, flops, "convert", bpw=bpw, rows=rows, seq_len=seq_len, method=method,
-                        measure_first=measurement is None and plan_path is None,
-                        measure_kwargs={"rows": rows, "seq_len": seq_len},
-                        measurement_bytes=Path(measurement).stat().st_size if measurement else None,
-                        distill=d_settings)
+        _print_estimate(model_spec, flops, "convert", **cost)
         return
+    _announce(model_spec, "convert", **cost)
     try:
         if upload_repo is not None:
             check_upload_ready(upload_repo)  # before any work: a long conversion must not end in "offline"
@@ -865,23 +867,28 @@ def _is_root() -> bool:
     return is_root()
 
 
-def _print_estimate(model_spec: str, flops: float | None, what: str, distill: DistillSettings | None = None,
-                    **kw: Any) -> None:
-    """Print the predicted cost of ``measure`` or ``convert`` (with its distillation) from the model's shapes."""
+def _estimate_parts(model_spec: str, flops: float | None, what: str, distill: DistillSettings | None = None,
+                    **kw: Any) -> list:
+    """The predicted cost of ``measure`` or ``convert`` (with its distillation), one Estimate per stage."""
     from mlx_dq.estimate import estimate_convert, estimate_distill, estimate_measure
     from mlx_dq.sources import resolve
 
+    source = resolve(model_spec)
+    if what == "measure":
+        return [estimate_measure(source, flops=flops, **kw)]
+    conv, meas = estimate_convert(source, flops=flops, **kw)
+    parts = [p for p in (meas, conv) if p is not None]
+    if distill is not None:
+        parts.append(estimate_distill(source, rows=distill.rows, seq_len=distill.seq_len, steps=distill.steps,
+                                      batch_size=distill.batch_size, flops=conv.flops))
+    return parts
+
+
+def _print_estimate(model_spec: str, flops: float | None, what: str, distill: DistillSettings | None = None,
+                    **kw: Any) -> None:
+    """Print the predicted cost of ``measure`` or ``convert`` (with its distillation) from the model's shapes."""
     try:
-        source = resolve(model_spec)
-        if what == "measure":
-            parts = [estimate_measure(source, flops=flops, **kw)]
-        else:
-            conv, meas = estimate_convert(source, flops=flops, **kw)
-            parts = [p for p in (meas, conv) if p is not None]
-            if distill is not None:
-                parts.append(estimate_distill(source, rows=distill.rows, seq_len=distill.seq_len,
-                                              steps=distill.steps, batch_size=distill.batch_size,
-                                              flops=conv.flops))
+        parts = _estimate_parts(model_spec, flops, what, distill, **kw)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     for p in parts:
@@ -891,3 +898,24 @@ def _print_estimate(model_spec: str, flops: float | None, what: str, distill: Di
         click.echo(f"total: about {sum(p.seconds for p in parts) / 60:.1f} min, peak memory about "
                    f"{max(p.peak_bytes for p in parts) / 2**30:.2f} GiB, disk about "
                    f"{sum(p.disk_bytes for p in parts) / 2**20:.1f} MiB")
+
+
+def _announce(model_spec: str, what: str, distill: DistillSettings | None = None, **kw: Any) -> None:
+    """Say on stderr, before any work, how long the run should take and how much memory it needs (one line).
+
+    A model that cannot be found or read stops here with the run's own one-line error (so a missing hub model
+    is not fetched twice); a setting the estimate cannot price is left to the run, which says what is wrong."""
+    if not _is_root():
+        return
+    from mlx_dq.estimate import physical_memory, summary_line
+    from mlx_dq.sources import resolve
+
+    try:
+        resolve(model_spec)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        parts = _estimate_parts(model_spec, None, what, distill, **kw)
+    except Exception:  # noqa: BLE001  (the run that follows says what is wrong, once)
+        return
+    click.echo(f"mlx_dq: {summary_line(parts, physical_memory())}", err=True)

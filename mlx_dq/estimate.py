@@ -14,9 +14,10 @@ observed on the benchmark machine (see ``benchmarks/scale.py``).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from .quant import BATCH_ELEMENTS
 
@@ -58,6 +59,28 @@ class Estimate:
             f"  peak memory: about {self.peak_bytes / 2**30:.2f} GiB",
             f"  disk: about {self.disk_bytes / 2**20:.1f} MiB written",
         ]
+
+
+def physical_memory() -> int | None:
+    """Bytes of memory this machine has (Linux, macOS), or None where the system does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def summary_line(parts: Sequence[Estimate], memory: int | None = None) -> str:
+    """The one line said before a run starts: its predicted time, peak memory and disk, and a warning when the
+    peak is above ``memory`` (the machine's), so a user learns it before hours of work, not after."""
+    seconds = sum(p.seconds for p in parts)
+    peak = max((p.peak_bytes for p in parts), default=0)
+    disk = sum(p.disk_bytes for p in parts)
+    line = (f"expected: about {format_seconds(seconds)} on this machine, peak memory about {peak / 2**30:.1f} GiB, "
+            f"{disk / 2**20:.0f} MiB written (--estimate: the parts)")
+    if memory is not None and peak > memory:
+        line += (f"; WARNING: this machine has {memory / 2**30:.1f} GiB of memory, so the run may swap heavily "
+                 "or be stopped by the system")
+    return line
 
 
 def format_seconds(s: float) -> str:

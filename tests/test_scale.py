@@ -341,6 +341,51 @@ def test_estimate_cli_prints_and_does_no_work(big_vocab, tmp_path):
     assert r.exit_code != 0 and "Error:" in r.output and "Traceback" not in r.output
 
 
+def test_summary_line_says_time_memory_disk_and_warns_when_memory_is_short():
+    from mlx_dq.estimate import Estimate, summary_line
+
+    parts = [Estimate("measure", seconds=600.0, peak_bytes=3 * 2**30, disk_bytes=2**20),
+             Estimate("convert", seconds=300.0, peak_bytes=2 * 2**30, disk_bytes=59 * 2**20)]
+    line = summary_line(parts, memory=16 * 2**30)
+    assert "about 15.0 min" in line and "peak memory about 3.0 GiB" in line and "60 MiB written" in line
+    assert "WARNING" not in line
+    short = summary_line(parts, memory=2 * 2**30)
+    assert short.startswith(line) and "WARNING: this machine has 2.0 GiB" in short
+    assert "WARNING" not in summary_line(parts, memory=None)  # a system that does not say: no guess
+
+
+def test_convert_and_measure_say_their_cost_before_working(big_vocab, grid_file, tmp_path, monkeypatch):
+    """One stderr line before any work: the predicted time and memory (a warning when memory is short)."""
+    from click.testing import CliRunner
+
+    from mlx_dq import convert as convert_mod
+    from mlx_dq import estimate as estimate_mod
+    from mlx_dq.cli import main
+
+    def stop(*a, **k):  # the run itself is not this test's business
+        raise ValueError("the run starts here")
+
+    monkeypatch.setattr(measure_mod, "measure", stop)
+    monkeypatch.setattr(convert_mod, "convert", stop)
+    monkeypatch.setattr(estimate_mod, "physical_memory", lambda: 1024)
+    folder = str(big_vocab["untied"])
+    for args in (["measure", "--model", folder, "-o", str(tmp_path / "m.json"), "--grid", str(grid_file)],
+                 ["convert", "--model", folder, "--bpw", "3.5", "-o", str(tmp_path / "q"), "--method", "rtn"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code != 0 and "the run starts here" in r.stderr, r.output
+        assert r.stderr.count("mlx_dq: expected: about") == 1 and "peak memory about" in r.stderr
+        assert r.stderr.index("expected:") < r.stderr.index("the run starts here")
+        assert "WARNING: this machine has 0.0 GiB" in r.stderr
+        assert "expected:" not in r.stdout
+    monkeypatch.setattr(estimate_mod, "physical_memory", lambda: 2**50)
+    r = CliRunner().invoke(main, ["convert", "--model", folder, "--bpw", "3.5", "-o", str(tmp_path / "q")])
+    assert "expected: about" in r.stderr and "WARNING" not in r.stderr
+    r = CliRunner().invoke(main, ["convert", "--model", str(tmp_path / "nope"), "--bpw", "3.5", "-o",
+                                  str(tmp_path / "q")])
+    assert r.exit_code != 0 and r.output.count("Error:") == 1 and "does not exist" in r.output
+    assert "expected:" not in r.output  # a model that cannot be read: its one-line error, before any estimate
+
+
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_converter_head_gram_is_that_of_the_final_normed_states(big_vocab, monkeypatch, kind):
     """The head's Gram (taken without evaluating any logits) is X^T X of the normed final hidden states."""
