@@ -558,6 +558,13 @@ def distill(folder: str, output: str, model_spec: str | None, calib: str | None,
     from mlx_dq import distill as dist_mod
 
     try:
+        spec = dist_mod.source_spec(Path(folder), model_spec)
+        cost = DistillSettings(rows=rows, seq_len=seq_len, steps=steps, batch_size=batch_size).with_options()
+    except ValueError:  # the run below says what is wrong with the folder or the settings, in its order
+        spec = cost = None
+    if spec is not None:
+        _announce(spec, "distill", cost)
+    try:
         rec = dist_mod.distill(model_spec, folder, output, calib=calib, rows=rows, seq_len=seq_len, steps=steps,
                                batch_size=batch_size, lr=lr, seed=seed, temperature=temperature,
                                train_norms=train_norms, force=force, say=click.echo)
@@ -876,6 +883,9 @@ def _estimate_parts(model_spec: str, flops: float | None, what: str, distill: Di
     source = resolve(model_spec)
     if what == "measure":
         return [estimate_measure(source, flops=flops, **kw)]
+    if what == "distill":
+        return [estimate_distill(source, rows=distill.rows, seq_len=distill.seq_len, steps=distill.steps,
+                                 batch_size=distill.batch_size, flops=flops)]
     conv, meas = estimate_convert(source, flops=flops, **kw)
     parts = [p for p in (meas, conv) if p is not None]
     if distill is not None:

@@ -294,7 +294,8 @@ def _weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def _source_spec(folder: Path, source: str | None) -> str:
+def source_spec(folder: Path, source: str | None) -> str:
+    """The source model to distil ``folder`` against: ``source`` when given, else the one its manifest records."""
     if source is not None:
         return str(source)
     from .writer import read_manifest
@@ -503,7 +504,7 @@ def distill(
     folder, out = Path(quantized_folder), Path(out_folder)
     q_config = _read_config(folder)
     _weight_files(folder)
-    spec = _source_spec(folder, source)
+    spec = source_spec(folder, source)
     src = resolve(spec)
     guard_output_folder(out, force, [("quantized model", folder), ("source model", src.path)])
     if s.calib is not None:
@@ -515,4 +516,4 @@ def distill(
 
 
 __all__ = ["DistillSettings", "distill", "distill_folder", "distill_model", "kl_loss", "make_student", "mean_kl", "quantized_layers",
-           "store_in_place", "train"]
+           "source_spec", "store_in_place", "train"]

@@ -189,6 +189,8 @@ def test_cli_distils_and_reports(tiny_llama, llama_q, tmp_path):
     result = _cli(str(llama_q), "-o", str(out), "--steps", "3", "--rows", "2", "--seq-len", "32")
     assert result.exit_code == 0, result.output
     assert "steps will take about" in result.output and "KL on the training rows:" in result.output
+    assert result.stderr.count("mlx_dq: expected: about") == 1  # said before the source model is loaded
+    assert result.output.index("expected: about") < result.output.index("steps will take about")
     assert json.loads((out / "mlx_dq.json").read_text())["provenance"]["distill"]["settings"]["steps"] == 3
 
 
