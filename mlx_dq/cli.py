@@ -173,7 +173,8 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
     n_opts = sum(len(t.options) for t in m.tensors.values())
     click.echo(f"measured {len(m.tensors)} tensors x options = {n_opts} in {time.perf_counter() - t0:.1f} s "
                f"({rows} rows x {seq_len} tokens)")
-    click.echo(f"base perplexity on the calibration rows: {m.base_perplexity:.4f}")
+    n_imp = (m.extra.get("importance") or {}).get("rows", rows)
+    click.echo(f"base perplexity on the first {n_imp} calibration rows: {m.base_perplexity:.4f}")
     click.echo(f"wrote {output}")
     if plot_dir:
         _write_plots(m, plot_dir, (2.5, 3.5, 4.5), 4.0, None)

@@ -113,7 +113,7 @@ from .threads import thread_map
 from .sources import resolve
 from .settings import IMPORTANCE_MODES, MeasureSettings  # noqa: F401  (IMPORTANCE_MODES re-exported)
 from .runner import (HEAD_CHUNK, LayerRunner, align_to_source, free_module, free_table, head_logits,  # noqa: F401
-                     layer_prefix, load_into, position_chunks, probe_layers)
+                     layer_prefix, load_into, position_chunks, probe_layers, record_head_inputs)
 
 DEFAULT_ROWS = MeasureSettings.rows  # the defaults live in mlx_dq.settings; these names stay for scripts
 DEFAULT_SEQ_LEN = MeasureSettings.seq_len
@@ -1153,13 +1153,16 @@ def _measure_head(run: _Run) -> None:
         for sl in iter_batches(s.rows, 1):  # one row, head_chunk positions at a time: logits are [chunk, vocab]
             if not share.owns_row(sl.start):
                 continue
-            nlls.append((sl.start, chunked_nll_sum(model, tokens[sl], run.hidden[sl], s.head_chunk,
-                                                   flush=lambda: share.flush(head_col, sl.start, owned=True))))
+            flush = lambda: share.flush(head_col, sl.start, owned=True)  # noqa: E731
+            if sl.start < run.n_imp:  # the base perplexity: the importance rows' logits only
+                nlls.append((sl.start, chunked_nll_sum(model, tokens[sl], run.hidden[sl], s.head_chunk, flush=flush)))
+            else:  # the other rows feed the head's Gram alone, without a logit
+                record_head_inputs(model, tokens[sl], run.hidden[sl], flush, s.head_chunk)
     dist.reduce_stats(head_col)
     nll = 0.0
     for _, v in sorted(x for part in dist.gather_objects(nlls) for x in part):  # row order, as one process sums
         nll += v
-    m.base_perplexity = math.exp(nll / (s.rows * (s.seq_len - 1)))
+    m.base_perplexity = math.exp(nll / (run.n_imp * (s.seq_len - 1)))
     head_kl = _HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
     scale = _kl_scale(run, head_kl) if run.kl_scale else 1.0
     run.lookup_weight = _lookup_kls(run, head_kl) if run.kl_scale else {}

@@ -149,7 +149,7 @@ class Measurement:
 
     tensors: dict[str, TensorRecord] = field(default_factory=dict)
     groups: dict[str, JointGroup] = field(default_factory=dict)
-    base_perplexity: float | None = None
+    base_perplexity: float | None = None  # the source's, on the importance rows (extra["importance"]["rows"])
     model: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)
     grid: Any = None

@@ -31,7 +31,7 @@ from .gptq import DEFAULT_DAMP, batch_key, gptq_quantize, gptq_quantize_many
 from .options import QuantOption
 from .quant import QuantizedTensor, promote_to_uniform, quantize_weight
 from .rowsplit import RowSplitCodes
-from .runner import LayerRunner, free_table, head_logits, position_chunks
+from .runner import LayerRunner, free_table, record_head_inputs
 from .safety import check_finite_weight
 from .settings import METHODS
 from .threads import thread_map
@@ -365,10 +365,7 @@ def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, Quant
         for b, sl in enumerate(runner.batches):
             if not share.runs(b):
                 continue
-            h = hidden[sl]
-            for psl in position_chunks(int(tokens.shape[1])):
-                head_logits(net, tokens[sl, psl], h[:, psl])  # records the head's input; the logits are never evaluated
-                share.flush(col, b)
+            record_head_inputs(net, tokens[sl], hidden[sl], lambda: share.flush(col, b))
     dist.reduce_stats(col)
     part = StreamPart(_quantize_all(head_mods, col.stats, options, how, parallel=False, splits=splits))
     done = {f"{p}.weight" for p in list(head_mods) + list(skip)}

@@ -149,6 +149,16 @@ def position_chunks(seq_len: int, chunk: int = HEAD_CHUNK) -> list[slice]:
     return list(iter_batches(seq_len, chunk))
 
 
+def record_head_inputs(model: nn.Module, tokens: mx.array, hidden: mx.array, flush: Callable[[], None],
+                       chunk: int = HEAD_CHUNK) -> None:
+    """Let a Gram collector watching the head record its inputs for ``hidden``, ``chunk`` positions at a time
+    (``flush`` after each), without evaluating any logits: the head's Gram costs no ``[positions x vocabulary]``
+    matmul."""
+    for psl in position_chunks(int(tokens.shape[1]), chunk):
+        head_logits(model, tokens[:, psl], hidden[:, psl])  # lazy: only the recorded input is ever evaluated
+        flush()
+
+
 # --------------------------------------------------------------------------
 # streaming a model layer by layer
 # --------------------------------------------------------------------------

@@ -118,6 +118,32 @@ def test_streamed_perplexity_equals_full_model(folders, grid_file):
     assert m.base_perplexity == pytest.approx(perplexity(model, _tokens(folder, 4, 48)), rel=1e-4)
 
 
+def test_base_perplexity_is_the_importance_rows_and_the_head_gram_all_rows(folders, grid_file, monkeypatch):
+    """Only the importance rows' logits are made (the base perplexity); every row still feeds the head's Gram."""
+    from mlx_dq import measure as measure_mod
+
+    folder = folders["llama"]
+    nll_rows, grams = [], {}
+    real_nll = measure_mod.chunked_nll_sum
+    monkeypatch.setattr(measure_mod, "chunked_nll_sum",
+                        lambda model, tokens, *a, **k: nll_rows.append(int(tokens.shape[0])) or real_nll(model, tokens,
+                                                                                                          *a, **k))
+    m = _run(folder, grid_file, rows=6, importance_rows=2)
+    assert m.extra["importance"]["rows"] == 2 and sum(nll_rows) == 2
+    model = resolve(str(folder)).model(mx.float32)
+    tokens = _tokens(folder, 6, 48)
+    assert m.base_perplexity == pytest.approx(perplexity(model, tokens[:2]), rel=1e-4)
+    assert m.base_perplexity != pytest.approx(perplexity(model, tokens), rel=1e-4)
+    # the head's options were measured against the Gram of all six rows: the same errors as the all-logit path
+    monkeypatch.setattr(measure_mod, "record_head_inputs",
+                        lambda model, tokens, hidden, flush, chunk: real_nll(model, tokens, hidden, chunk, flush=flush))
+    again = _run(folder, grid_file, rows=6, importance_rows=2)
+    head = [k for k in m.tensors if "lm_head" in k or "embed" in k]
+    assert head
+    for k in head:
+        assert [o.err for o in m.tensors[k].options] == [o.err for o in again.tensors[k].options], k
+
+
 def _tied_folder(tmp: Path, model_type: str, **extra) -> Path:
     """A tiny tied-embedding model of a family the shared fixtures do not build (qwen3, gemma3_text)."""
     tok = tiny_tokenizer()
