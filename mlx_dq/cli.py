@@ -460,7 +460,8 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
     d_settings = _distill_settings(distill, calib, seed, rows=distill_rows, seq_len=distill_seq_len,
                                    steps=distill_steps, lr=distill_lr)
     cost = dict(bpw=bpw, rows=rows, seq_len=seq_len, method=method, distill=d_settings,
-                measure_first=measurement is None and plan_path is None, measure_kwargs={"rows": rows, "seq_len": seq_len},
+                measure_first=measurement is None and plan_path is None,
+                measure_kwargs={"rows": rows, "seq_len": seq_len},
                 measurement_bytes=Path(measurement).stat().st_size if measurement else None)
     if estimate:
         _print_estimate(model_spec, flops, "convert", **cost)

@@ -305,7 +305,8 @@ def _build(
             for k in it.members:
                 p = _part_of(k, parts)
                 if p is not None:
-                    per_part.setdefault(p, []).append((ref_sens[it.key], _member_sensitivity(it, k, m, target_bpw, err_power), k))
+                    own = _member_sensitivity(it, k, m, target_bpw, err_power)
+                    per_part.setdefault(p, []).append((ref_sens[it.key], own, k))
         rule = keep_most_sensitive
         for p, lst in per_part.items():
             n = rule if isinstance(rule, int) else int(rule.get(p, 0))
