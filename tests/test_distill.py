@@ -289,7 +289,7 @@ def test_convert_estimate_counts_the_distillation(tiny_llama, tmp_path):
     with_d = _convert_cli(*args, "--distill", "--distill-steps", "7", "--distill-seq-len", "40")
     assert plain.exit_code == 0 and with_d.exit_code == 0, with_d.output
     assert "distill" not in plain.output
-    assert "distill (7 steps, 16 x 40 tokens)" in with_d.output
+    assert f"distill (7 steps, {DistillSettings.rows} x 40 tokens)" in with_d.output
 
     def total(text: str) -> float:
         return float(text.split("total: about ", 1)[1].split(" min", 1)[0])  # minutes
