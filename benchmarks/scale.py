@@ -162,7 +162,7 @@ def layer_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str,
 
 
 def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, sample_rows: int) -> float:
-    """Multiply-adds of the head stage: logits of every row, two anchor options quantized on every
+    """Multiply-adds of the head stage: logits of the importance rows (the base perplexity), two anchor options quantized on every
     vocabulary row with their KL taken block by block (original and quantized rows, plus one LSE pass) and
     the meter's reference sum, the other options on a row sample (mlx_dq.measure.head_anchors) with their
     damage predicted from the error against the Gram, and every row's energy for the sample; all of them
@@ -175,7 +175,7 @@ def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, 
     full = 2 if sample_rows and options > 2 and sampled < v else options
     kl = (2 * full + 1) * imp_tokens * v * h
     predicted = (options - full) * sampled * h * h * (per + 1) + v * h * h if full < options else 0  # + energies
-    return tokens * v * h + full * v * h * h * per + v * h * h + predicted + kl
+    return imp_tokens * v * h + full * v * h * h * per + v * h * h + predicted + kl
 
 
 def hot_loop(s: dict, flops: float) -> dict:

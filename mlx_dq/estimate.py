@@ -181,7 +181,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
             macs += (out + (s[-2] if out < s[-2] else 0)) * s[-1] ** 2  # the meter's reference sum, the row energies
     vocab = max((s[0] for _, s in other), default=0)
     heads = [(p, s) for p, s in other]
-    macs += tokens * vocab * hidden  # logits of every row (perplexity and the head's Gram)
+    macs += imp * vocab * hidden  # the importance rows' logits (the base perplexity; the Gram needs none)
     head_extra = 0
     for path, s in heads:
         opts = _fitting(grid_map, path, s[-1])
