@@ -876,31 +876,31 @@ def _is_root() -> bool:
     return is_root()
 
 
-def _estimate_parts(model_spec: str, flops: float | None, what: str, distill: DistillSettings | None = None,
+def _estimate_parts(source: Any, flops: float | None, what: str, distill: DistillSettings | None = None,
                     **kw: Any) -> list:
-    """The predicted cost of ``measure`` or ``convert`` (with its distillation), one Estimate per stage."""
+    """The predicted cost of ``measure``, ``convert`` or ``distill`` on a resolved ``source``, one Estimate per stage
+    (a conversion's distillation after it, at the FLOP/s the conversion timed)."""
     from mlx_dq.estimate import estimate_convert, estimate_distill, estimate_measure
-    from mlx_dq.sources import resolve
 
-    source = resolve(model_spec)
     if what == "measure":
         return [estimate_measure(source, flops=flops, **kw)]
-    if what == "distill":
-        return [estimate_distill(source, rows=distill.rows, seq_len=distill.seq_len, steps=distill.steps,
-                                 batch_size=distill.batch_size, flops=flops)]
-    conv, meas = estimate_convert(source, flops=flops, **kw)
-    parts = [p for p in (meas, conv) if p is not None]
+    parts = []
+    if what == "convert":
+        conv, meas = estimate_convert(source, flops=flops, **kw)
+        parts, flops = [p for p in (meas, conv) if p is not None], conv.flops
     if distill is not None:
         parts.append(estimate_distill(source, rows=distill.rows, seq_len=distill.seq_len, steps=distill.steps,
-                                      batch_size=distill.batch_size, flops=conv.flops))
+                                      batch_size=distill.batch_size, flops=flops))
     return parts
 
 
 def _print_estimate(model_spec: str, flops: float | None, what: str, distill: DistillSettings | None = None,
                     **kw: Any) -> None:
     """Print the predicted cost of ``measure`` or ``convert`` (with its distillation) from the model's shapes."""
+    from mlx_dq.sources import resolve
+
     try:
-        parts = _estimate_parts(model_spec, flops, what, distill, **kw)
+        parts = _estimate_parts(resolve(model_spec), flops, what, distill, **kw)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     for p in parts:
@@ -923,11 +923,11 @@ def _announce(model_spec: str, what: str, distill: DistillSettings | None = None
     from mlx_dq.sources import resolve
 
     try:
-        resolve(model_spec)
+        source = resolve(model_spec)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     try:
-        parts = _estimate_parts(model_spec, None, what, distill, **kw)
+        parts = _estimate_parts(source, None, what, distill, **kw)
     except Exception:  # noqa: BLE001  (the run that follows says what is wrong, once)
         return
     click.echo(f"mlx_dq: {summary_line(parts, physical_memory())}", err=True)

@@ -86,7 +86,7 @@ def row_splits(p: Plan, hot_rows: dict[str, HotRows], m: Measurement | None = No
     With the measurement ``m`` and the plan's damage-per-bit price, only the rows that repay their bits
     (:func:`mlx_dq.rowsplit.rows_worth_it`, from the table's measured damage at both options); else every row.
     """
-    out = {}
+    out, power = {}, float(p.settings.get("err_power", 2.0))  # the damage the optimizer saw
     for e in p.tensors:
         hot = hot_rows.get(e.key)
         if hot is None or e.scope != "budget" or not hot.counts.size:
@@ -97,7 +97,6 @@ def row_splits(p: Plan, hot_rows: dict[str, HotRows], m: Measurement | None = No
             continue
         n, rec = int(hot.counts.size), (m.tensors.get(e.key) if m is not None else None)
         if rec is not None and p.multiplier:
-            power = float(p.settings.get("err_power", 2.0))
             gain = _damage_at(rec, opt, power) - _damage_at(rec, up, power)
             n = rows_worth_it(hot, gain, p.multiplier, extra_bits(opt, n, tuple(e.shape)) / n)
         if n:
