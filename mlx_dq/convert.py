@@ -329,28 +329,36 @@ def _write_tensors(writer: ShardWriter, stream: Any, out_dtype: Any,
     splits: dict[str, dict] = {}
     other_bytes = 0
     for part in stream:
-        for t in part.tensors:
-            pieces = [(t.path, t.qt, t.gram)]
-            if t.split is not None:  # the parts' output errors are not metered (err null)
-                pieces = [(f"{t.path}.hot", t.split.hot, None), (f"{t.path}.cold", t.qt, None)]
-                ids = mx.array(t.split.ids.astype(np.int32))
-                writer.add({f"{t.path}.hot_ids": ids})
-                other_bytes += ids.nbytes
-                splits[t.path] = {"rows": int(ids.size)}
-            for path, qt, gram in pieces:
-                arrays = tensor_arrays(path, qt, out_dtype)
-                writer.add(arrays)
-                opt = qt.option
-                if opt.is_mixed:
-                    mixed[path] = {"option": opt.desc, "shape": list(qt.shape)}
-                elif not opt.keep16:
-                    seg = opt.segments[0]
-                    qconf[path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
-                records[path] = tensor_record(qt, gram, t.weight, arrays, dtype)
-        plain = {k: v.astype(out_dtype) for k, v in part.plain.items()}  # norms, biases: as they are
-        other_bytes += sum(v.nbytes for v in plain.values())
-        writer.add(plain)
+        other_bytes += _write_part(writer, part, out_dtype, dtype, records, mixed, qconf, splits)
+        del part  # before the next part is made: this one's float32 weights and Grams are not needed any more
     return records, mixed, qconf, other_bytes, splits
+
+
+def _write_part(writer: ShardWriter, part: Any, out_dtype: Any, dtype: str, records: dict, mixed: dict,
+                qconf: dict, splits: dict) -> int:
+    """Write one part's tensors and plain parameters, adding to the records and configs; return its other bytes."""
+    other_bytes = 0
+    for t in part.tensors:
+        pieces = [(t.path, t.qt, t.gram)]
+        if t.split is not None:  # the parts' output errors are not metered (err null)
+            pieces = [(f"{t.path}.hot", t.split.hot, None), (f"{t.path}.cold", t.qt, None)]
+            ids = mx.array(t.split.ids.astype(np.int32))
+            writer.add({f"{t.path}.hot_ids": ids})
+            other_bytes += ids.nbytes
+            splits[t.path] = {"rows": int(ids.size)}
+        for path, qt, gram in pieces:
+            arrays = tensor_arrays(path, qt, out_dtype)
+            writer.add(arrays)
+            opt = qt.option
+            if opt.is_mixed:
+                mixed[path] = {"option": opt.desc, "shape": list(qt.shape)}
+            elif not opt.keep16:
+                seg = opt.segments[0]
+                qconf[path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
+            records[path] = tensor_record(qt, gram, t.weight, arrays, dtype)
+    plain = {k: v.astype(out_dtype) for k, v in part.plain.items()}  # norms, biases: as they are
+    writer.add(plain)
+    return other_bytes + sum(v.nbytes for v in plain.values())
 
 
 # --------------------------------------------------------------------------

@@ -926,9 +926,9 @@ def _resume(run: _Run) -> Measurement | None:
 
 
 def _embed(run: _Run) -> None:
-    """Embed the rows (recording the layers' call arguments) with only the non-layer weights loaded."""
+    """Embed the rows (recording the layers' call arguments) with only the embedding (and small non-layer weights) loaded."""
     runner = run.runner
-    runner.load_outside()
+    runner.load_for_probe()
     embed_mods = {p: mod for p, mod in quantizable_modules(runner.net).items() if isinstance(mod, nn.Embedding)}
     with runner.collector(embed_mods) as embed_col:
         firsts = runner.probe(flush=embed_col.flush)

@@ -193,7 +193,7 @@ class QuantizedModule:
     module: nn.Module
     qt: QuantizedTensor  # a row-split table: its cold rows
     gram: mx.array | None
-    weight: mx.array
+    weight: mx.array | None  # None for a lookup table (no Gram: its record needs no weight)
     split: RowSplitCodes | None = None
 
 
@@ -318,7 +318,7 @@ def quantize_stream(
     how = StreamOptions(**how_options) if how is None else how
     runner = LayerRunner(source, tokens, batch_size)
     _check_plan_names(runner, options, source)
-    runner.load_outside()
+    runner.load_for_probe()
     hidden = runner.join(runner.probe())
     runner.free_outside()  # back for the last part
     layers, prefix = runner.layers, runner.prefix
@@ -332,12 +332,16 @@ def quantize_stream(
         weights = {f"{p}.weight" for p in mods}
         part.plain = {lp + k: v for k, v in tree_flatten(layer.parameters()) if lp + k not in weights}
         yield part
+        codes = {t.path: t.qt for t in part.tensors} if how.sequential else {}
+        del part  # with the consumer's reference gone, the float32 weights and Grams go before the rerun
+        col.release()
+        for path, qt in codes.items():  # one at a time: together their dequantizing temporaries doubled the peak
+            mods[path].weight = qt.dequantize(mx.float32)
+            mx.eval(mods[path].weight)
         if how.sequential:
-            for t in part.tensors:
-                mods[t.path].weight = t.qt.dequantize(mx.float32)
             out = runner.forward(i, hidden, None)
         hidden = out
-        del part, col
+        del codes, col
         runner.free(i)
         bar.update(1)
         if _fail_after_layer is not None and i == _fail_after_layer:
@@ -345,8 +349,12 @@ def quantize_stream(
     tables, first = runner.lookup_tables(), []
     for p in tables:  # an untied embedding alone (rounding: no Gram), released before the norm and head are loaded
         runner.load_outside(only=[p])
-        first += _quantize_all({p: runner.outside_modules()[p]}, {}, options, how, parallel=False, splits=row_splits)
+        done = _quantize_all({p: runner.outside_modules()[p]}, {}, options, how, parallel=False, splits=row_splits)
+        for t in done:  # no Gram, so its record needs no weight: not held through the head (2.1 GB at Llama-3-8B)
+            t.weight = None
+        first += done
         free_table(runner.outside_modules()[p])
+        del done
     runner.load_outside(skip=tables)
     part = _quantize_outside(runner, hidden, options, how, skip=tables, splits=row_splits)
     part.tensors = first + part.tensors

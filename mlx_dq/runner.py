@@ -197,6 +197,14 @@ class LayerRunner:
         load_into(self.net, self.source.load_weights(
             n for n in self.source.weight_names() if layer_index(n) is None and wanted(n)))
 
+    def load_for_probe(self) -> None:
+        """Load what embedding the rows needs: the weights outside the decoder layers but an untied head.
+
+        Why: :meth:`probe` stops at the decoder layers, so a head beside its own embedding is never used
+        there; at Llama-3-8B's 128,256 x 4,096 it is 2.1 GB in float32 (and its 16-bit copy while loading)."""
+        tables = self.lookup_tables()
+        self.load_outside(skip=[p for p in self.outside_modules() if p not in tables] if tables else ())
+
     def free_outside(self) -> None:
         """Release the embedding and head (``load_outside`` brings them back): the decoder layers never use them.
 

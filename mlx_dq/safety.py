@@ -255,7 +255,9 @@ def check_finite_weight(key: str, w: Any) -> None:
     """ValueError naming tensor ``key`` when its weights (an mx.array) hold NaN or infinite values: a corrupt model."""
     import mlx.core as mx
 
-    bad = int(mx.logical_not(mx.isfinite(w.astype(mx.float32))).sum().item())
+    flat = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w.reshape(1, -1)
+    step = max(1, (1 << 24) // max(1, int(flat.shape[-1])))  # 16M weights at a time: no full-size temporaries
+    bad = sum(int(mx.logical_not(mx.isfinite(flat[i:i + step])).sum().item()) for i in range(0, flat.shape[0], step))
     if bad:
         raise ValueError(f"tensor {key!r} has {bad} NaN or infinite weight(s): the model file is corrupt")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -71,33 +72,67 @@ def tensor_arrays(path: str, qt: QuantizedTensor, dtype: mx.Dtype) -> dict[str, 
     return out
 
 
+_SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
+                       mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64", mx.int8: "I8",
+                       mx.int16: "I16", mx.int32: "I32", mx.int64: "I64", mx.bool_: "BOOL"}
+
+
 class ShardWriter:
-    """Writes arrays into numbered safetensors shards as they come, then names them like mlx-lm does."""
+    """Writes arrays into numbered safetensors shards as they come, then names them like mlx-lm does.
+
+    Each array's bytes go to disk when added (a shard's data file; the header and the data are joined when
+    the shard is full), so memory holds one part's arrays, not a whole shard: before, a 4 GiB shard of
+    quantized layers stayed in memory until written, on top of the last layer's peak.
+    """
 
     def __init__(self, folder: Path, max_bytes: int = DEFAULT_SHARD_BYTES):
         self.folder = folder
         self.max_bytes = max_bytes
-        self.pending: dict[str, mx.array] = {}
+        self.entries: dict[str, dict[str, Any]] = {}  # the current shard's header
         self.pending_bytes = 0
         self.files: list[tuple[Path, list[str]]] = []
         self.nbytes = 0
+        self._data: Any = None
+        self._names: set[str] = set()
+
+    def _data_path(self) -> Path:
+        return self.folder / f"shard-{len(self.files):05d}.data"
 
     def add(self, arrays: dict[str, mx.array]) -> None:
-        """Queue ``arrays``; a shard is written when it would grow past ``max_bytes``."""
+        """Write ``arrays`` to the current shard's data; a new shard starts when this one would grow past
+        ``max_bytes``."""
         size = sum(a.nbytes for a in arrays.values())
-        if self.pending and self.pending_bytes + size > self.max_bytes:
+        if self.entries and self.pending_bytes + size > self.max_bytes:
             self._flush()
-        self.pending.update(arrays)
-        self.pending_bytes += size
+        if self._data is None:
+            self._data = open(self._data_path(), "wb")
+        for name, a in arrays.items():
+            if name in self._names:
+                raise ValueError(f"tensor {name!r} written twice")
+            self._names.add(name)
+            kind = _SAFETENSORS_DTYPES[a.dtype]
+            host = np.ascontiguousarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+            self._data.write(memoryview(host.reshape(-1)).cast("B") if host.size else b"")
+            self.entries[name] = {"dtype": kind, "shape": [int(d) for d in a.shape],
+                                  "data_offsets": [self.pending_bytes, self.pending_bytes + int(a.nbytes)]}
+            self.pending_bytes += int(a.nbytes)
+        self._data.flush()
         self.nbytes += size
 
     def _flush(self) -> None:
-        if not self.pending:
+        if self._data is None:
             return
-        path = self.folder / f"shard-{len(self.files):05d}.safetensors"
-        mx.save_safetensors(str(path), self.pending, metadata={"format": "mlx"})
-        self.files.append((path, sorted(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        self._data.close()
+        data, path = self._data_path(), self.folder / f"shard-{len(self.files):05d}.safetensors"
+        header = json.dumps({"__metadata__": {"format": "mlx"}, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+        with open(path, "wb") as out, open(data, "rb") as src:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(src, out, 16 << 20)
+        data.unlink()
+        self.files.append((path, sorted(self.entries)))
+        self.entries, self.pending_bytes, self._data = {}, 0, None
 
     def close(self) -> list[Path]:
         """Write the last shard, rename shards (``model.safetensors`` or ``model-0000i-of-0000n``), write the index."""
@@ -129,7 +164,7 @@ def publish(tmp: Path, out: Path) -> None:
     publish_folder(tmp, out)
 
 
-def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array, arrays: dict[str, mx.array],
+def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array | None, arrays: dict[str, mx.array],
             dtype: str = "float16") -> dict:
     """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation)."""
     opt = qt.option

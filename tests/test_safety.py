@@ -529,3 +529,17 @@ def test_measure_never_overwrites_its_inputs_or_a_foreign_file(work, tmp_path):
     assert_clean_error(cli(*base, "-o", notes, "--no-resume"), "not a measurement", "--force")
     assert notes.read_text() == "important"
     assert cli(*base, "-o", notes, "--no-resume", "--force").exit_code == 0
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 7), (2, 3, 4), (1 << 13, 2049)])
+def test_finite_check_counts_every_bad_weight(shape):
+    """The finiteness check goes over a large tensor in pieces: a NaN or infinity anywhere, the last row
+    included, is counted; a clean tensor of any rank passes."""
+    from mlx_dq.safety import check_finite_weight
+
+    w = mx.zeros(shape, dtype=mx.bfloat16)
+    check_finite_weight("clean", w)
+    flat = mx.zeros((math.prod(shape),), dtype=mx.bfloat16)
+    bad = flat.at[mx.array([0, flat.size - 1])].add(mx.array([math.nan, math.inf], dtype=mx.bfloat16))
+    with pytest.raises(ValueError, match=r"'t' has 2 NaN or infinite"):
+        check_finite_weight("t", bad.reshape(shape))

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 import pytest
 
@@ -531,3 +532,125 @@ def test_converter_releases_embedding_and_head_through_the_layers(big_vocab, mon
     assert set(got) == set(want) and set(options) <= set(got)
     for k in got:
         assert mx.array_equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_embedding_pass_loads_no_untied_head(big_vocab, grid_file, monkeypatch, kind):
+    """Embedding the rows (measure and convert) reads the embedding but not an untied head, which the pass never
+    calls; the first hidden states equal those made with everything outside the layers loaded."""
+    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.calib import calibration_rows
+    from mlx_dq.options import QuantOption
+    from mlx_dq.runner import LayerRunner
+    from mlx_dq.sources import ModelSource, resolve
+
+    src = resolve(str(big_vocab[kind]))
+    _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
+    full = LayerRunner(src, tokens, 2)
+    full.load_outside()
+    want = mx.concatenate(full.probe(), axis=0)
+    read: list[str] = []
+    seen: list[list[str]] = []
+    orig_probe, orig_load = LayerRunner.probe, ModelSource.load_weights
+
+    def load_weights(self, names):
+        names = list(names)
+        read.extend(n for n in names if n.startswith(("lm_head", "model.embed_tokens")))
+        return orig_load(self, names)
+
+    def probe(self, *a, **kw):
+        seen.append(sorted(read))
+        read.clear()
+        out = orig_probe(self, *a, **kw)
+        if len(seen) == 2:  # the conversion's pass, on these tokens
+            assert mx.array_equal(mx.concatenate(out, axis=0), want)
+        return out
+
+    monkeypatch.setattr(LayerRunner, "probe", probe)
+    monkeypatch.setattr(ModelSource, "load_weights", load_weights)
+    _run(big_vocab[kind], grid_file)
+    read.clear()  # what the measurement's later stages read
+    list(quantize_mod.quantize_stream(src, {"model.layers.0.mlp.down_proj": QuantOption.uniform(4, 32)}, tokens,
+                                      progress=False, batch_size=2))
+    assert seen == [["model.embed_tokens.weight"]] * 2
+
+
+def test_shard_writer_streams_arrays_to_disk(tmp_path):
+    """Shards hold every dtype the converter writes, load in MLX and the safetensors library, split at the size
+    limit; each array's bytes are on disk when added (memory holds none of a shard); a name written twice fails."""
+    from safetensors import safe_open
+
+    from mlx_dq.writer import ShardWriter
+
+    rng = np.random.default_rng(0)
+    arrays = {"a.weight": mx.array(rng.integers(0, 2**32, (7, 5), dtype=np.uint32)),
+              "a.scales": mx.array(rng.normal(size=(7, 3)).astype(np.float16)),
+              "b.weight": mx.array(rng.normal(size=(4, 6)).astype(np.float32)).astype(mx.bfloat16),
+              "b.perm": mx.array(rng.permutation(6).astype(np.int32)),
+              "c.norm": mx.array(rng.normal(size=(9,)).astype(np.float32)),
+              "c.ids": mx.array(np.arange(3, dtype=np.uint8)), "c.empty": mx.zeros((0, 4), mx.float16)}
+    writer = ShardWriter(tmp_path, max_bytes=200)
+    added = 0
+    for name, a in arrays.items():
+        writer.add({name: a})
+        added += a.nbytes
+        data = sorted(tmp_path.glob("shard-*.data"))
+        assert sum(p.stat().st_size for p in data) + sum(p.stat().st_size for p in tmp_path.glob("*.safetensors")) \
+            >= added  # written when added
+    with pytest.raises(ValueError, match="written twice"):
+        writer.add({"a.weight": arrays["a.weight"]})
+    files = writer.close()
+    assert len(files) > 1 and not list(tmp_path.glob("*.data"))
+    got = {}
+    for f in files:
+        got.update(mx.load(str(f)))
+        with safe_open(str(f), framework="numpy") as ref:  # the reference reader (numpy: no bfloat16)
+            for k in ref.keys():
+                if arrays[k].dtype != mx.bfloat16:
+                    assert np.array_equal(ref.get_tensor(k), np.array(arrays[k]))
+    assert set(got) == set(arrays)
+    for name, a in arrays.items():
+        assert got[name].dtype == a.dtype and got[name].shape == a.shape and mx.array_equal(got[name], a)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == added and set(index["weight_map"]) == set(arrays)
+
+
+def test_conversion_drops_each_layer_before_the_next(big_vocab, tmp_path, monkeypatch):
+    """While the converter reruns a layer on its quantized weights (and quantizes the head), no float32 weight or
+    Gram of that layer, and no float32 copy of an untied embedding, is still alive: each was dropped once written."""
+    import gc
+    import weakref
+
+    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.convert import convert
+    from mlx_dq.runner import LayerRunner
+
+    refs: list = []
+    alive: list[int] = []
+    orig_forward, orig_outside = LayerRunner.forward, quantize_mod._quantize_outside
+    orig_all = quantize_mod._quantize_all
+
+    def forward(self, i, hidden, col=None):
+        if col is None:  # the rerun on quantized weights
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs))
+            refs.clear()
+        return orig_forward(self, i, hidden, col)
+
+    def quantize_all(mods, stats, *a, **kw):
+        refs.extend(weakref.ref(m.weight) for m in mods.values())
+        refs.extend(weakref.ref(st.gram) for st in stats.values() if st.gram is not None)
+        return orig_all(mods, stats, *a, **kw)
+
+    def outside(*a, **kw):
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs))  # the untied embedding's float32 table
+        return orig_outside(*a, **kw)
+
+    monkeypatch.setattr(LayerRunner, "forward", forward)
+    monkeypatch.setattr(quantize_mod, "_quantize_all", quantize_all)
+    monkeypatch.setattr(quantize_mod, "_quantize_outside", outside)
+    recipe = {"model.layers.0.mlp.down_proj": "1.0:3b_64g", "model.layers.0.self_attn.q_proj": "1.0:4b_32g",
+              "model.embed_tokens": "1.0:4b_32g", "lm_head": "1.0:4b_64g"}
+    convert(str(big_vocab["untied"]), tmp_path / "out", plan=recipe, rows=3, seq_len=40, progress=False)
+    assert len(alive) == 2 and alive == [0, 0]
