@@ -78,9 +78,12 @@ class GramCollector:
 
     modules: dict[str, nn.Module]
     expert_mode: str = "per_expert"
+    output_energy: bool = False
     stats: dict[str, InputStats] = field(default_factory=dict)
     lookups: dict[str, InputStats] = field(default_factory=dict)
+    energies: dict[str, mx.array] = field(default_factory=dict)
     _pending: list[_Pending] = field(default_factory=list)
+    _pending_out: list[tuple[str, mx.array]] = field(default_factory=list)
     _saved: dict[str, type] = field(default_factory=dict)
     _groups: dict[tuple[str, ...], InputStats] = field(default_factory=dict)
 
@@ -100,6 +103,7 @@ class GramCollector:
             if path in self._saved:
                 mod.__class__ = self._saved.pop(path)
         self._pending.clear()
+        self._pending_out.clear()
 
     def take_inputs(self) -> dict[str, mx.array]:
         """The inputs recorded since the last flush of plain linear layers, by path, as ``[rows, in]`` float32;
@@ -122,6 +126,16 @@ class GramCollector:
         """Remember one input (called from the patched modules)."""
         self._pending.append(_Pending(path, kind, x, indices))
 
+    def record_output(self, path: str, y: mx.array, bias: mx.array | None) -> None:
+        """With ``output_energy``: remember a linear layer's output energy per output channel, ``sum_t (x_t w_i)^2``.
+
+        Why: it equals ``w_i G w_i^T``, which a Gram would give at ``out x in^2`` multiply-adds per tensor (a
+        converted Llama-3-8B layer's error record spent about 1.5 T on it); from the output the forward made
+        anyway it costs ``tokens x out`` additions."""
+        if self.output_energy:
+            y = y.astype(mx.float32) if bias is None else y.astype(mx.float32) - bias.astype(mx.float32)
+            self._pending_out.append((path, mx.sum(mx.square(y.reshape(-1, y.shape[-1])), axis=0)))
+
     # ---------------------------------------------------------- accumulation
     def flush(self) -> None:
         """Fold every input recorded since the last flush into the Gram matrices."""
@@ -131,6 +145,10 @@ class GramCollector:
             by_input.setdefault(key, []).append(p)
         self._pending.clear()
         touched = []
+        for path, e in self._pending_out:
+            self.energies[path] = e if path not in self.energies else self.energies[path] + e
+            touched.append(self.energies[path])
+        self._pending_out.clear()
         for entries in by_input.values():
             paths = tuple(sorted({e.path for e in entries}))
             first = entries[0]
@@ -216,7 +234,9 @@ def _recording_class(cls: type, collector: GramCollector, path: str) -> type:
 
     def call(self, x, *args, **kwargs):
         collector.record(path, "linear", x)
-        return cls.__call__(self, x, *args, **kwargs)
+        y = cls.__call__(self, x, *args, **kwargs)
+        collector.record_output(path, y, self.get("bias") if isinstance(self, nn.Linear) else None)
+        return y
 
     return type(cls.__name__, (cls,), {"__call__": call})
 

@@ -355,7 +355,7 @@ def _write_part(writer: ShardWriter, part: Any, out_dtype: Any, dtype: str, reco
             elif not opt.keep16:
                 seg = opt.segments[0]
                 qconf[path] = {"group_size": seg.group_size, "bits": seg.bits, "mode": "affine"}
-            records[path] = tensor_record(qt, gram, t.weight, arrays, dtype)
+            records[path] = tensor_record(qt, gram, t.weight, arrays, dtype, energy=t.energy)
     plain = {k: v.astype(out_dtype) for k, v in part.plain.items()}  # norms, biases: as they are
     writer.add(plain)
     return other_bytes + sum(v.nbytes for v in plain.values())

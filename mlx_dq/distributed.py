@@ -236,15 +236,21 @@ class RowShare:
             collector.flush()
         elif not owned:
             collector._pending.clear()
+            collector._pending_out.clear()
         else:
             prev = {k: st.gram for k, st in collector._groups.items()}
+            prev_energies = dict(collector.energies)
             for st in collector._groups.values():
                 st.gram = None
+            collector.energies.clear()
             collector.flush()
             kept = collector.__dict__.setdefault("_batch_grams", [])
             kept.append({k: st.gram for k, st in collector._groups.items() if st.gram is not None})
+            collector.__dict__.setdefault("_batch_energies", []).append(dict(collector.energies))
             for k, st in collector._groups.items():
                 st.gram = prev.get(k)
+            collector.energies.clear()
+            collector.energies.update(prev_energies)
 
     def join(self, parts: list[mx.array]) -> Any:
         """The outputs of the batches run (in order) as one array (one rank) or a :class:`LocalRows`."""
@@ -284,6 +290,22 @@ class LocalRows:
 # --------------------------------------------------------------------------
 # Gram statistics
 # --------------------------------------------------------------------------
+def _fold_in_order(own: list[mx.array]) -> mx.array:
+    """The sum over every rank's per-batch arrays ``own``, added in the order one process adds them."""
+    if not own:
+        raise RuntimeError(tag("a watched module received no input rows on this rank"))
+    acc = None
+    for r in range(size()):
+        if r == rank():
+            for g in own:
+                acc = g if acc is None else acc + g
+            part = acc
+        else:
+            part = mx.zeros(own[0].shape, dtype=own[0].dtype)
+        acc = all_sum(part)
+    return acc
+
+
 def reduce_stats(collector: Any) -> None:
     """Sum a :class:`~mlx_dq.capture.GramCollector`'s statistics over all ranks (in place), exactly.
 
@@ -300,19 +322,10 @@ def reduce_stats(collector: Any) -> None:
     groups = sorted(collector._groups.items())
     mine = collector.__dict__.pop("_batch_grams", [])
     for key, st in groups:
-        own = [g[key] for g in mine if key in g]
-        if not own:
-            raise RuntimeError(tag("a watched module received no input rows on this rank"))
-        acc = None
-        for r in range(size()):
-            if r == rank():
-                for g in own:
-                    acc = g if acc is None else acc + g
-                part = acc
-            else:
-                part = mx.zeros(own[0].shape, dtype=own[0].dtype)
-            acc = all_sum(part)
-        st.gram = acc
+        st.gram = _fold_in_order([g[key] for g in mine if key in g])
+    energies = collector.__dict__.pop("_batch_energies", [])
+    for path in sorted({p for e in energies for p in e}):  # the same linear layers on every rank
+        collector.energies[path] = _fold_in_order([e[path] for e in energies if path in e])
     small = [(st.rows, st.expert_rows) for _, st in groups]
     looks = sorted(collector.lookups.items())
     small_look = [(st.rows, st.token_counts) for _, st in looks]

@@ -195,6 +195,7 @@ class QuantizedModule:
     gram: mx.array | None
     weight: mx.array | None  # None for a lookup table (no Gram: its record needs no weight)
     split: RowSplitCodes | None = None
+    energy: mx.array | None = None  # output energy per output row, w_i G w_i^T, when the forward recorded it
 
 
 @dataclass
@@ -241,16 +242,17 @@ def _quantize_one(w: mx.array, option: QuantOption, gram: mx.array | None, how: 
 
 def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
                   how: StreamOptions, parallel: bool = True,
-                  splits: dict[str, tuple[np.ndarray, QuantOption]] | None = None) -> list[QuantizedModule]:
+                  splits: dict[str, tuple[np.ndarray, QuantOption]] | None = None,
+                  energies: dict[str, mx.array] | None = None) -> list[QuantizedModule]:
     """Quantize ``mods`` with their planned options (16-bit when unplanned); ranks share the work when distributed.
 
     ``parallel``: several tensors at once on the CPU (:mod:`mlx_dq.threads`); off for the embedding and
     head, whose row blocks would then be in memory side by side. ``splits``: tables stored with
-    frequent-token rows (path -> hot ids, hot option).
+    frequent-token rows (path -> hot ids, hot option). ``energies``: output energy per row, by path.
     """
     splits = splits or {}
     if dist.active():
-        return list(_run_shared(mods, stats, options, how, splits))
+        return list(_run_shared(mods, stats, options, how, splits, energies or {}))
     grams = {p: st.gram for p, st in stats.items() if p in mods}
     for path, mod in mods.items():
         check_finite_weight(path, mod.weight)
@@ -260,12 +262,13 @@ def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, Qu
 
     qts = thread_map(one, [(p, mod.weight, grams.get(p)) for p, mod in mods.items()], None if parallel else 1,
                      cost=lambda p, w, g: tensor_work(w))
-    return [QuantizedModule(p, mod, qt, grams.get(p), mod.weight, split)
+    return [QuantizedModule(p, mod, qt, grams.get(p), mod.weight, split, (energies or {}).get(p))
             for (p, mod), (qt, split) in zip(mods.items(), qts)]
 
 
 def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
-                how: StreamOptions, splits: dict[str, tuple[np.ndarray, QuantOption]]) -> Iterator[QuantizedModule]:
+                how: StreamOptions, splits: dict[str, tuple[np.ndarray, QuantOption]],
+                energies: dict[str, mx.array]) -> Iterator[QuantizedModule]:
     """Quantize this rank's share of ``mods`` (balanced by cost), gather every rank's, yield all in order."""
     for path, mod in mods.items():  # every rank checks every weight, so a bad one stops all ranks alike
         check_finite_weight(path, mod.weight)
@@ -282,7 +285,7 @@ def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, Quan
     for path, mod in mods.items():
         st = stats.get(path)
         yield QuantizedModule(path, mod, every[path][0], st.gram if st is not None else None, mod.weight,
-                              every[path][1])
+                              every[path][1], energies.get(path))
 
 
 def _check_plan_names(runner: LayerRunner, options: dict[str, QuantOption], source: Any) -> None:
@@ -325,9 +328,9 @@ def quantize_stream(
     bar = tqdm(total=len(layers) + 1, desc="quantize", unit="layer", disable=not (progress and dist.is_root()))
     for i, layer in enumerate(layers):
         mods = runner.load(i)
-        with runner.collector(mods) as col:
+        with runner.collector(mods, output_energy=True) as col:
             out = runner.forward(i, hidden, col)
-        part = StreamPart(_quantize_all(mods, col.stats, options, how))
+        part = StreamPart(_quantize_all(mods, col.stats, options, how, energies=col.energies))
         lp = f"{prefix}{i}."
         weights = {f"{p}.weight" for p in mods}
         part.plain = {lp + k: v for k, v in tree_flatten(layer.parameters()) if lp + k not in weights}

@@ -182,9 +182,10 @@ class LayerRunner:
         self.share = share if share is not None else dist.RowShare(int(tokens.shape[0]), batch_size)
         self.calls: list[list[tuple[tuple, dict]]] = []
 
-    def collector(self, mods: dict[str, nn.Module]) -> GramCollector:
-        """A Gram collector over ``mods`` with this runner's expert mode."""
-        return GramCollector(mods, self.expert_mode)
+    def collector(self, mods: dict[str, nn.Module], output_energy: bool = False) -> GramCollector:
+        """A Gram collector over ``mods`` with this runner's expert mode; ``output_energy``: also each linear
+        layer's output energy per channel."""
+        return GramCollector(mods, self.expert_mode, output_energy=output_energy)
 
     def load_outside(self, only: Sequence[str] | None = None, skip: Sequence[str] = ()) -> None:
         """Load the weights outside the decoder layers (embedding, final norm, head); ``only`` / ``skip``: just the

@@ -165,10 +165,11 @@ def publish(tmp: Path, out: Path) -> None:
 
 
 def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array | None, arrays: dict[str, mx.array],
-            dtype: str = "float16") -> dict:
-    """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation)."""
+                  dtype: str = "float16", energy: mx.array | None = None) -> dict:
+    """The manifest record of one quantized tensor (``storage_bits``: codes + scales + biases + permutation);
+    ``energy``: the tensor's output energy per row (``w_i G w_i^T``) when known."""
     opt = qt.option
-    err = _output_error(qt, w, gram) if gram is not None and not opt.keep16 else None
+    err = _output_error(qt, w, gram, energy) if gram is not None and not opt.keep16 else None
     return {
         "option": opt.desc,
         "shape": list(qt.shape),
@@ -182,13 +183,17 @@ def tensor_record(qt: QuantizedTensor, gram: mx.array | None, w: mx.array | None
     }
 
 
-def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array) -> float:
+def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array, energy: mx.array | None = None) -> float:
     """:func:`mlx_dq.quant.output_error` of the stored codes, summed over blocks of output rows (a large head
     otherwise needs several float32 copies of itself: 5 GB of temporaries at 151,936 x 896). When the quantizer
-    knows the rows' squared errors (``qt.out_sq``, GPTQ), only the reference sum is multiplied out here."""
+    knows the rows' squared errors (``qt.out_sq``, GPTQ), only the reference sum is multiplied out here, and not
+    even that when the rows' output ``energy`` is known (both: nothing is multiplied)."""
     known = qt.out_sq
     num = 0.0 if known is None else float(np.sum(known, dtype=np.float64))
-    den = 0.0
+    den = None if energy is None else float(np.sum(np.asarray(energy, dtype=np.float64)))
+    if known is not None and den is not None:
+        return relative_error(num, den)
+    ref = 0.0
     g = gram.astype(mx.float32)
     for sl in row_blocks(w.shape) or [slice(None)]:
         if known is None:
@@ -197,8 +202,8 @@ def _output_error(qt: QuantizedTensor, w: mx.array, gram: mx.array) -> float:
         else:
             w32 = w[..., sl, :].astype(mx.float32)
             (d,) = exact_sums((w32 @ g) * w32)
-        den += d
-    return relative_error(num, den)
+        ref += d
+    return relative_error(num, ref if den is None else den)
 
 
 def output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dtype: str = "float16",

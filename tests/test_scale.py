@@ -654,3 +654,52 @@ def test_conversion_drops_each_layer_before_the_next(big_vocab, tmp_path, monkey
               "model.embed_tokens": "1.0:4b_32g", "lm_head": "1.0:4b_64g"}
     convert(str(big_vocab["untied"]), tmp_path / "out", plan=recipe, rows=3, seq_len=40, progress=False)
     assert len(alive) == 2 and alive == [0, 0]
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied"])
+def test_output_energy_is_the_gram_form_and_the_record_keeps_its_error(big_vocab, tmp_path, monkeypatch, kind):
+    """A linear layer's recorded output energy per row equals ``w_i G w_i^T`` (biases removed: the tied model is a
+    qwen2 with q/k/v biases), and a conversion that takes its records' reference sums from it writes the same
+    errors as one that multiplies them out against the Gram."""
+    from mlx_dq import capture as capture_mod
+    from mlx_dq.calib import calibration_rows
+    from mlx_dq.convert import convert
+    from mlx_dq.runner import LayerRunner
+    from mlx_dq.sources import resolve
+
+    src = resolve(str(big_vocab[kind]))
+    _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
+    runner = LayerRunner(src, tokens, 2)
+    runner.load_for_probe()
+    hidden = runner.join(runner.probe())
+    mods = runner.load(0)
+    with runner.collector(mods, output_energy=True) as col:
+        runner.forward(0, hidden, col)
+    assert set(col.energies) == set(mods)
+    for path, mod in mods.items():
+        w = mod.weight.astype(mx.float32)
+        want = np.asarray(((w @ col.stats[path].gram) * w).sum(1), dtype=np.float64)
+        np.testing.assert_allclose(np.asarray(col.energies[path], dtype=np.float64), want, rtol=2e-4,
+                                   atol=1e-6 * want.max())
+
+    recipe = {"model.layers.0.mlp.down_proj": "1.0:3b_64g", "model.layers.0.self_attn.q_proj": "0.5:4b_32g/0.5:3b_32g",
+              "model.layers.0.mlp.up_proj": "1.0:4b_64g"}
+    from mlx_dq import writer as writer_mod
+
+    errs, products = {}, {True: 0, False: 0}
+    orig_sums = writer_mod.exact_sums
+    for on in (True, False):
+        monkeypatch.setattr(capture_mod.GramCollector, "record_output",
+                            capture_mod.GramCollector.record_output if on else lambda self, *a: None)
+
+        def sums(*a, on=on):
+            products[on] += 1
+            return orig_sums(*a)
+
+        monkeypatch.setattr(writer_mod, "exact_sums", sums)
+        m = convert(str(big_vocab[kind]), tmp_path / f"out-{on}", plan=recipe, rows=3, seq_len=40, progress=False)
+        errs[on] = {k: r["err"] for k, r in m["modules"].items() if r["err"] is not None}
+    assert set(errs[True]) == set(errs[False]) and set(recipe) <= set(errs[True])
+    for k, e in errs[False].items():
+        assert errs[True][k] == pytest.approx(e, rel=1e-4)
+    assert products[False] - products[True] == len(recipe)  # the layer's GPTQ records multiplied nothing out
