@@ -149,15 +149,15 @@ def layer_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str,
     Forward with the Gram of the 3 distinct inputs, the importance reruns, then per tensor the
     reference option on every output row and each other option on ``sample_rows`` rows (0: all):
     GPTQ's triangular column updates (``out x in^2 / 2``; the error comes from its own errors), rounding's
-    error against the Gram (``out x in^2``); once per tensor the meter's reference sum and, when sampling,
-    every row's output energy (``out x in^2`` each).
+    error against the Gram (``out x in^2``); once per tensor the meter's reference sum over the rows measured
+    (every row's output energy, for the sample, comes from the forward's outputs: no multiply-adds).
     """
     ts = layer_tensors(s)
     params = sum(o * i for o, i in ts)
     fwd = tokens * params + sum(tokens * i * i for _, i in ts[::3]) + 3 * imp_tokens * params
     per = 0.5 if method == "gptq" else 1
     rows = [(min(o, sample_rows) if sample_rows else o, o, i) for o, i in ts]
-    opts = sum(((options - 1) * r + o) * i * i * per + (r + (o if r < o else 0)) * i * i for r, o, i in rows)
+    opts = sum(((options - 1) * r + o) * i * i * per + r * i * i for r, o, i in rows)
     return fwd + opts
 
 

@@ -178,7 +178,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
             n_meas += len(opts)
             out = min(s[-2], sample_rows) if sample_rows else s[-2]
             macs += (len(opts) - 1) * out * s[-1] ** 2 * per_opt + s[-2] * s[-1] ** 2 * per_opt
-            macs += (out + (s[-2] if out < s[-2] else 0)) * s[-1] ** 2  # the meter's reference sum, the row energies
+            macs += out * s[-1] ** 2  # the meter's reference sum (the row energies come from the forward)
     vocab = max((s[0] for _, s in other), default=0)
     heads = [(p, s) for p, s in other]
     macs += imp * vocab * hidden  # the importance rows' logits (the base perplexity; the Gram needs none)
@@ -203,7 +203,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                 macs += full * imp * vocab * hidden * (1 + recompute)  # each full option's KL (+ recomputed refs)
             head_extra = cached
     f = flops or matmul_flops()
-    other_f32 = sum(4 * _numel(s) for _, s in other)
+    other_f32 = _outside_bytes(other)
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
@@ -211,7 +211,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     if kl_scale and one_block:  # a head of one row block: its KL swaps in a whole dequantized float32 copy
         head_extra += 4 * max(one_block)
     peak = BASE_RSS + states + (CLIP_SEARCH_BYTES if method == "gptq" else 0) \
-        + _stage_peak(layers, other, biggest_layer, other_f32 + logits + head_extra)  # RTN: options per Gram block
+        + _stage_peak(layers, other, biggest_layer, other_f32 + logits + head_extra, method)  # RTN: options per Gram block
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON
     seconds = TIME_FACTOR * 2 * macs / f + FIXED_S + OPTION_S.get(method, 0.3) * n_meas
     return Estimate("measure", macs=macs, measurements=n_meas, seconds=seconds, peak_bytes=peak,
@@ -219,13 +219,32 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                     detail={"layers": len(layers), "tokens": tokens, "vocab": vocab, "largest_tensor": largest})
 
 
-def _stage_peak(layers: list, other: list, biggest_layer: int, outside_bytes: int) -> int:
+def _outside_bytes(other: list) -> int:
+    """Bytes of the tensors outside the layers held at once: the largest in float32 with its 16-bit copy while it
+    loads (an untied embedding and its head are loaded, measured and released one after the other)."""
+    return 6 * max([_numel(s) for _, s in other] + [0])
+
+
+def _stage_peak(layers: list, other: list, biggest_layer: int, outside_bytes: int, method: str = "gptq") -> int:
     """Bytes of the larger stage: a decoder layer (the embedding and head released) or the embedding/head stage."""
     def block(shapes: list) -> int:
         return QUANT_COPIES * 4 * max([_block_numel(s) for _, s in shapes] + [0])
 
-    layer_stage = 2 * 4 * biggest_layer + max([block(t) for t in layers] + [0])
+    layer_stage = max([_layer_bytes(t, method) + block(t) for t in layers] + [2 * 4 * biggest_layer])
     return max(layer_stage, outside_bytes + block(other))
+
+
+def _layer_bytes(tensors: list, method: str) -> int:
+    """One decoder layer's float32 weights, the Grams of its inputs (the tensors of one block with one input width
+    share one: q/k/v, gate/up) and, for GPTQ, the widest input's factorisation (two ``k x k`` beside its Gram).
+
+    Why the Grams and factor: at Llama-3-70B shapes the 28,672-channel ``down_proj`` input's Gram is 3.3 GB and
+    its factorisation twice that, more than the layer's weights."""
+    weights = 4 * sum(_numel(s) for _, s in tensors)
+    inputs = {(p.rsplit(".", 1)[0], s[-1], s[0] if len(s) == 3 else 1) for p, s in tensors}
+    grams = 4 * sum(banks * k * k for _, k, banks in inputs)
+    widest = max((s[-1] for _, s in tensors), default=0)
+    return weights + grams + (2 * 4 * widest**2 if method == "gptq" else 0)
 
 
 KL_STATE = 9  # perturbed copies of the importance rows carried for the KL scale (KL_SAMPLE_LAYERS) and the lookup
@@ -243,9 +262,9 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
     f = flops or matmul_flops()
     meas = estimate_measure(source, method=method, flops=f, **(measure_kwargs or {})) if measure_first else None
     tokens = rows * seq_len
-    # GPTQ's updates (out x in^2 / 2) and the written record's reference sum (out x in^2; GPTQ knows the error);
-    # rounding: the record's error and reference sums against the Gram
-    per_q = 1.5 if method == "gptq" else 2
+    # GPTQ's updates (out x in^2 / 2; the record's error is GPTQ's own, its reference sum the forward's output
+    # energy); rounding: the record's error and reference sums against the Gram
+    per_q = 0.5 if method == "gptq" else 2
     macs, biggest_layer = 0.0, 0
     quant_params = 0
     for tensors in layers:
@@ -255,7 +274,8 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         macs += 2 * tokens * params  # forward + Grams, then the sequential forward with quantized weights
         macs += sum(_numel(s) * s[-1] for _, s in tensors) * per_q
     vocab = max((s[0] for _, s in other), default=0)
-    macs += sum(_numel(s) * s[-1] for _, s in other) * per_q  # the head's Gram needs no logits
+    # the head's Gram needs no logits, so its record's reference sum is multiplied out against the Gram
+    macs += sum(_numel(s) * s[-1] for _, s in other) * (per_q + 1 if method == "gptq" else per_q)
     quant_params += sum(_numel(s) for _, s in other)
     total_params = sum(_numel(s) for _, s in _all_params(source))
     bits = bpw if bpw is not None else 16.0
@@ -266,7 +286,7 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
     disk = quant_params * bits / 8 + (total_params - quant_params) * 2 + _side_bytes(source) \
         + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
     peak = BASE_RSS + 4 * tokens * hidden * 2 + CLIP_SEARCH_BYTES \
-        + _stage_peak(layers, other, biggest_layer, sum(4 * _numel(s) for _, s in other) + 4 * 128 * vocab * 2)
+        + _stage_peak(layers, other, biggest_layer, _outside_bytes(other) + 4 * 128 * vocab * 2, method)
     if meas is not None:
         peak = max(peak, meas.peak_bytes)
     est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,

@@ -188,7 +188,7 @@ def _evaluated(a: mx.array) -> mx.array:
 
 
 def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
-                      must: np.ndarray | None = None) -> tuple[mx.array, mx.array] | None:
+                      must: np.ndarray | None = None, energy: mx.array | None = None) -> tuple[mx.array, mx.array] | None:
     """A seeded, stratified sample of ``n`` output rows of a 2-D weight and each row's weight; None when not smaller.
 
     Rounding, the clip search and GPTQ treat output rows independently (the
@@ -200,16 +200,20 @@ def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
     largest output energy ``w_i G w_i^T`` are always taken (weight 1) and the
     rest are drawn uniformly (weight ``remaining / drawn``). Seeded by the name.
     The rows ``must`` (e.g. the tokens a tied embedding looks up) are taken as
-    well, with weight 1, beyond the ``n``.
+    well, with weight 1, beyond the ``n``. ``energy``: the rows' output energies when the forward recorded
+    them (:attr:`~mlx_dq.capture.GramCollector.energies`), else they are multiplied out against the Gram.
     """
     rows = int(w.shape[0])
     must = np.unique(np.asarray(must, dtype=np.int64)) if must is not None else np.empty(0, dtype=np.int64)
     if n <= 0 or w.ndim != 2 or gram.ndim != 2 or rows <= n + must.size:
         return None
-    g32 = gram.astype(mx.float32)
-    energy = np.concatenate([np.asarray(_evaluated(((wb @ g32) * wb).sum(1)), dtype=np.float64)  # by row blocks:
-                             # no temporary the size of a 151,936-row head
-                             for wb in (w[sl].astype(mx.float32) for sl in row_blocks(w.shape) or [slice(None)])])
+    if energy is not None:
+        energy = np.asarray(energy, dtype=np.float64)
+    else:
+        g32 = gram.astype(mx.float32)
+        energy = np.concatenate([np.asarray(_evaluated(((wb @ g32) * wb).sum(1)), dtype=np.float64)  # by row
+                                 # blocks: no temporary the size of a 151,936-row head
+                                 for wb in (w[sl].astype(mx.float32) for sl in row_blocks(w.shape) or [slice(None)])])
     by_energy = np.argsort(-energy, kind="stable")
     top = np.concatenate([must, by_energy[~np.isin(by_energy, must)][: n // 4]])
     rest = np.setdiff1d(np.arange(rows), top)
@@ -312,6 +316,7 @@ def measure_tensor(
     sample_rows: int = 0,
     timings: dict[str, float] | None = None,
     sample: tuple[mx.array, mx.array] | None = None,
+    energy: mx.array | None = None,
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
@@ -328,15 +333,14 @@ def measure_tensor(
     of that many output rows (see :func:`output_row_sample`); options in ``kept``
     are still quantized on every row. ``timings`` (a dict) receives each measured
     option's wall seconds, which balance the work of later layers over ranks.
-    ``sample`` (row indices, row weights) gives the rows instead; ``damage_fn`` then
-    receives those rows' dequantized weights.
-    """
+    ``sample`` (row indices, row weights) gives the rows instead (``damage_fn`` then gets those rows' dequantized
+    weights). ``energy``: the output rows' energies ``w_i G w_i^T`` when known."""
     check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
     counts = lookup.token_counts if lookup is not None and gram is None else None
     if sample is None and damage_fn is None:
-        sample = output_row_sample(key, w, gram, sample_rows) if gram is not None else \
+        sample = output_row_sample(key, w, gram, sample_rows, energy=energy) if gram is not None else \
             looked_up_rows(counts) if counts is not None and not kept else None
     rows_idx, row_weights = sample if sample is not None else (None, None)
     w_full, w = w, w if rows_idx is None else w[rows_idx]
@@ -989,7 +993,7 @@ def _measure_layer(run: _Run, i: int) -> None:
     layer = runner.layers[i]
     mods = {p: mod for p, mod in runner.load(i).items() if role_of(p) is not None}
     dist.set_stage(i)
-    with runner.collector(mods) as col:
+    with runner.collector(mods, output_energy=True) as col:
         new_hidden = runner.forward(i, run.hidden, col)
     t1 = time.perf_counter()
     call0 = runner.calls[0][i]
@@ -1027,7 +1031,8 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
     def one(path: str, w: mx.array, stats: InputStats | None) -> tuple[TensorRecord, dict]:
         kept = {refs_opt[path].desc: None}
         rec = measure_tensor(path, w, grid[path], stats, role_of(path), clip=run.clip, kept=kept, method=s.method,
-                             only=_owned(owner, path), sample_rows=s.sample_rows, timings=timings[path])
+                             only=_owned(owner, path), sample_rows=s.sample_rows, timings=timings[path],
+                             energy=col.energies.get(path))
         return rec, kept
 
     for path in mods:

@@ -703,3 +703,30 @@ def test_output_energy_is_the_gram_form_and_the_record_keeps_its_error(big_vocab
     for k, e in errs[False].items():
         assert errs[True][k] == pytest.approx(e, rel=1e-4)
     assert products[False] - products[True] == len(recipe)  # the layer's GPTQ records multiplied nothing out
+
+
+def test_row_sample_from_recorded_energies(big_vocab, grid_file, monkeypatch):
+    """The stratified row sample drawn from the forward's recorded output energies is the one the Gram gives,
+    and the measurer uses them (no Gram product per tensor) with the same results."""
+    from mlx_dq.measure import output_row_sample
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(300, 48)).astype(np.float32)
+    w = mx.array(rng.normal(size=(200, 48)).astype(np.float32) * np.linspace(0.1, 3, 200, dtype=np.float32)[:, None])
+    gram = mx.array(x.T @ x)
+    energy = mx.sum(mx.square(mx.array(x) @ w.T), axis=0)
+    a, b = output_row_sample("t", w, gram, 40), output_row_sample("t", w, gram, 40, energy=energy)
+    assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[1], b[1])
+
+    given: list[bool] = []
+    orig = measure_mod.output_row_sample
+
+    def spy(key, w, gram, n, must=None, energy=None):
+        given.append(energy is not None)
+        return orig(key, w, gram, n, must, energy)
+
+    monkeypatch.setattr(measure_mod, "output_row_sample", spy)
+    m = _run(big_vocab["untied"], grid_file, sample_rows=64)
+    assert given and all(given[:7])  # the layer's tensors
+    monkeypatch.setattr(measure_mod.GramCollector, "record_output", lambda self, *a: None)
+    _assert_same(m, _run(big_vocab["untied"], grid_file, sample_rows=64))
