@@ -101,6 +101,8 @@ class ShardWriter:
     def add(self, arrays: dict[str, mx.array]) -> None:
         """Write ``arrays`` to the current shard's data; a new shard starts when this one would grow past
         ``max_bytes``."""
+        if not arrays:
+            return
         size = sum(a.nbytes for a in arrays.values())
         if self.entries and self.pending_bytes + size > self.max_bytes:
             self._flush()

@@ -590,6 +590,8 @@ def test_shard_writer_streams_arrays_to_disk(tmp_path):
               "c.norm": mx.array(rng.normal(size=(9,)).astype(np.float32)),
               "c.ids": mx.array(np.arange(3, dtype=np.uint8)), "c.empty": mx.zeros((0, 4), mx.float16)}
     writer = ShardWriter(tmp_path, max_bytes=200)
+    writer.add({})  # a part with nothing to write starts no shard
+    assert not list(tmp_path.iterdir())
     added = 0
     for name, a in arrays.items():
         writer.add({name: a})
@@ -599,6 +601,7 @@ def test_shard_writer_streams_arrays_to_disk(tmp_path):
             >= added  # written when added
     with pytest.raises(ValueError, match="written twice"):
         writer.add({"a.weight": arrays["a.weight"]})
+    writer.add({})
     files = writer.close()
     assert len(files) > 1 and not list(tmp_path.glob("*.data"))
     got = {}
