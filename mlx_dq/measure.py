@@ -187,8 +187,17 @@ def _evaluated(a: mx.array) -> mx.array:
     return a
 
 
+def output_energies(w: mx.array, gram: mx.array) -> np.ndarray:
+    """Each output row's energy ``w_i G w_i^T`` of a 2-D weight (float64), by blocks of rows: no temporary the size
+    of a 151,936-row head."""
+    g32 = gram.astype(mx.float32)
+    return np.concatenate([np.asarray(_evaluated(((wb @ g32) * wb).sum(1)), dtype=np.float64)
+                           for wb in (w[sl].astype(mx.float32) for sl in row_blocks(w.shape) or [slice(None)])])
+
+
 def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
-                      must: np.ndarray | None = None, energy: mx.array | None = None) -> tuple[mx.array, mx.array] | None:
+                      must: np.ndarray | None = None,
+                      energy: mx.array | np.ndarray | None = None) -> tuple[mx.array, mx.array] | None:
     """A seeded, stratified sample of ``n`` output rows of a 2-D weight and each row's weight; None when not smaller.
 
     Rounding, the clip search and GPTQ treat output rows independently (the
@@ -207,13 +216,7 @@ def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
     must = np.unique(np.asarray(must, dtype=np.int64)) if must is not None else np.empty(0, dtype=np.int64)
     if n <= 0 or w.ndim != 2 or gram.ndim != 2 or rows <= n + must.size:
         return None
-    if energy is not None:
-        energy = np.asarray(energy, dtype=np.float64)
-    else:
-        g32 = gram.astype(mx.float32)
-        energy = np.concatenate([np.asarray(_evaluated(((wb @ g32) * wb).sum(1)), dtype=np.float64)  # by row
-                                 # blocks: no temporary the size of a 151,936-row head
-                                 for wb in (w[sl].astype(mx.float32) for sl in row_blocks(w.shape) or [slice(None)])])
+    energy = output_energies(w, gram) if energy is None else np.asarray(energy, dtype=np.float64)
     by_energy = np.argsort(-energy, kind="stable")
     top = np.concatenate([must, by_energy[~np.isin(by_energy, must)][: n // 4]])
     rest = np.setdiff1d(np.arange(rows), top)
@@ -232,24 +235,32 @@ class _ErrorMeter:
     Gram matrix is given (per expert ``[E, in, in]`` for banks: a sum over experts),
     the token-frequency-weighted lookup error for an embedding with ``counts``,
     else the weight error. Same formulas as :func:`mlx_dq.quant.output_error`.
-    ``row_weights`` (``[rows]``, 2-D weights with a Gram) weights each output row's sums.
+    ``row_weights`` (``[rows]``, 2-D weights with a Gram) weights each output row's sums; ``energy``
+    (``[rows]``, 2-D) gives the rows' ``w_i G w_i^T``, so ``tr(W G W^T)`` is not multiplied out again.
     Large tensors are summed over blocks of output rows (:func:`row_blocks`, float32
     per block, the blocks added in double precision), so no temporary is the
     size of the tensor; a tensor of one block is computed exactly as in one piece.
     """
 
     def __init__(self, w: mx.array, gram: mx.array | None, counts: np.ndarray | None,
-                 row_weights: mx.array | None = None):
+                 row_weights: mx.array | None = None, energy: np.ndarray | None = None):
         self.w, self.rw = w, None if row_weights is None else row_weights[:, None]
         self.g = None if gram is None else gram.astype(mx.float32)
         self.c = None if counts is None or gram is not None else mx.array(counts.astype(np.float32))[:, None]
         self.blocks = row_blocks(w.shape) if row_weights is None else None
         self.w32 = w.astype(mx.float32) if self.blocks is None else None
         self.wden = self.oden = 0.0
+        known = energy is not None and self.g is not None and w.ndim == 2  # the rows' w_i G w_i^T, given
         for i in range(len(self.blocks or [None])):
-            oden, wden = self._sums(i, self._w32(i))
+            if known:
+                (wden,) = exact_sums(self._squares(self._w32(i), None))
+            else:
+                oden, wden = self._sums(i, self._w32(i))
+                self.oden += oden
             self.wden += wden
-            self.oden += oden
+        if known:
+            e = np.asarray(energy, dtype=np.float64)
+            self.oden = float(np.sum(e if self.rw is None else e * np.asarray(self.rw[:, 0], dtype=np.float64)))
 
     def _w32(self, i: int) -> mx.array:
         return self.w32 if self.blocks is None else self.w[..., self.blocks[i], :].astype(mx.float32)
@@ -316,7 +327,7 @@ def measure_tensor(
     sample_rows: int = 0,
     timings: dict[str, float] | None = None,
     sample: tuple[mx.array, mx.array] | None = None,
-    energy: mx.array | None = None,
+    energy: mx.array | np.ndarray | None = None,
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
@@ -325,16 +336,15 @@ def measure_tensor(
     ``method`` is the converter's quantizer ("gptq": error compensation against
     the Gram matrix, so the errors are the ones conversion produces; "rtn":
     rounding, plus the clip search when ``clip``). When ``kept`` is a dict whose
-    keys name options, their dequantized weights are stored in it;
-    ``damage_fn(wq)`` when given measures each option's end-to-end damage.
-    ``progress`` shows a bar over the options (the head: minutes on a CPU).
+    keys name options, their dequantized weights are stored in it; ``damage_fn(wq)``
+    when given measures each option's end-to-end damage. ``progress``: a bar over the options.
     ``only`` (option descriptions) measures just those (one rank's share).
     ``sample_rows > 0`` measures a linear layer's options on a seeded random subset
     of that many output rows (see :func:`output_row_sample`); options in ``kept``
     are still quantized on every row. ``timings`` (a dict) receives each measured
     option's wall seconds, which balance the work of later layers over ranks.
     ``sample`` (row indices, row weights) gives the rows instead (``damage_fn`` then gets those rows' dequantized
-    weights). ``energy``: the output rows' energies ``w_i G w_i^T`` when known."""
+    weights). ``energy``: every output row's ``w_i G w_i^T`` when known (the sample and the meter use it)."""
     check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
@@ -345,7 +355,8 @@ def measure_tensor(
     rows_idx, row_weights = sample if sample is not None else (None, None)
     w_full, w = w, w if rows_idx is None else w[rows_idx]
     counts = counts[np.asarray(rows_idx)] if counts is not None and rows_idx is not None else counts
-    meter = _ErrorMeter(w, gram, counts, row_weights)
+    meter = _ErrorMeter(w, gram, counts, row_weights, None if energy is None else
+                        np.asarray(energy, dtype=np.float64)[slice(None) if rows_idx is None else np.asarray(rows_idx)])
     rec = TensorRecord(key, shape, role=role)
     fitting = [o for o in fitting_options(options, shape[-1]) if only is None or o.desc in only]
     factors: dict = {}
@@ -930,7 +941,8 @@ def _resume(run: _Run) -> Measurement | None:
 
 
 def _embed(run: _Run) -> None:
-    """Embed the rows (recording the layers' call arguments) with only the embedding (and small non-layer weights) loaded."""
+    """Embed the rows (recording the layers' call arguments) with only the embedding and small non-layer weights
+    loaded."""
     runner = run.runner
     runner.load_for_probe()
     embed_mods = {p: mod for p, mod in quantizable_modules(runner.net).items() if isinstance(mod, nn.Embedding)}
@@ -1266,11 +1278,12 @@ def _head_by_anchors(run: _Run, path: str, w: mx.array, options: Sequence[QuantO
     anchors = head_anchors(fitting, in_f)
     lookup = run.embed_lookup.get(path)
     must = np.nonzero(lookup.token_counts)[0] if lookup is not None else None
-    sample = output_row_sample(path, w, stats.gram, HEAD_SAMPLE_FACTOR * run.s.sample_rows, must)
+    energy = output_energies(w, stats.gram)  # once, for the sample and every meter below
+    sample = output_row_sample(path, w, stats.gram, HEAD_SAMPLE_FACTOR * run.s.sample_rows, must, energy=energy)
     if sample is None or len(fitting) <= len(anchors):
         return None
     rec = measure_tensor(path, w, anchors, stats, role, clip=run.clip, method=run.s.method, damage_fn=fn,
-                         progress=run.progress)
+                         progress=run.progress, energy=energy)
     parts = list(getattr(fn, "lookup_damage", [0.0] * len(rec.options)))
     ratio = {r.option.is_mixed: max(r.damage - lp, 0.0) / r.err ** 2 if r.err else 0.0
              for r, lp in zip(rec.options, parts)}  # head KL per squared output error, whole and mixed options
@@ -1281,7 +1294,8 @@ def _head_by_anchors(run: _Run, path: str, w: mx.array, options: Sequence[QuantO
         group = [o for o in fitting if o not in anchors and o.is_mixed == mixed]
         if not group:
             continue
-        meter, k = _ErrorMeter(ws, stats.gram, None, row_w), ratio.get(mixed, ratio[anchors[0].is_mixed])
+        meter, k = _ErrorMeter(ws, stats.gram, None, row_w, energy[np.asarray(idx)]), \
+            ratio.get(mixed, ratio[anchors[0].is_mixed])
 
         def predicted(wq: mx.array) -> float:
             lk = lookup_weight * lk_meter(wq)[0] ** 2 if lk_meter is not None else 0.0
@@ -1289,7 +1303,7 @@ def _head_by_anchors(run: _Run, path: str, w: mx.array, options: Sequence[QuantO
             return k * meter(wq)[0] ** 2 + lk
 
         part = measure_tensor(path, w, group, stats, role, clip=run.clip, method=run.s.method,
-                              damage_fn=predicted, progress=run.progress, sample=sample)
+                              damage_fn=predicted, progress=run.progress, sample=sample, energy=energy)
         rec.options += part.options
     order = {o.desc: i for i, o in enumerate(fitting)}
     by_option = sorted(zip(rec.options, parts), key=lambda rp: order[rp[0].desc])

@@ -733,3 +733,27 @@ def test_row_sample_from_recorded_energies(big_vocab, grid_file, monkeypatch):
     assert given and all(given[:7])  # the layer's tensors
     monkeypatch.setattr(measure_mod.GramCollector, "record_output", lambda self, *a: None)
     _assert_same(m, _run(big_vocab["untied"], grid_file, sample_rows=64))
+
+
+def test_error_meter_takes_its_reference_from_given_energies(monkeypatch):
+    """Given the rows' energies, the error meter's reference sum is theirs (the head computes them once for its
+    sample and every meter), equal to the Gram product it no longer makes; the weight sums are unchanged."""
+    from mlx_dq.measure import _ErrorMeter, output_energies
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(200, 48)).astype(np.float32)
+    w = mx.array(rng.normal(size=(120, 48)).astype(np.float32))
+    gram = mx.array(x.T @ x)
+    wq = w + 0.01 * mx.array(rng.normal(size=(120, 48)).astype(np.float32))
+    energy = output_energies(w, gram)
+    for rw in (None, mx.array(rng.uniform(0.5, 2.0, size=120).astype(np.float32))):
+        a = _ErrorMeter(w, gram, None, rw)
+        products: list[int] = []
+        orig = _ErrorMeter._squares
+        monkeypatch.setattr(_ErrorMeter, "_squares",
+                            lambda self, v, g: products.append(g is not None) or orig(self, v, g))
+        b = _ErrorMeter(w, gram, None, rw, energy)
+        monkeypatch.setattr(_ErrorMeter, "_squares", orig)
+        assert not any(products)
+        assert b.oden == pytest.approx(a.oden, rel=1e-5) and b.wden == a.wden
+        assert b(wq)[0] == pytest.approx(a(wq)[0], rel=1e-5) and b(wq)[1] == a(wq)[1]
