@@ -49,6 +49,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from . import linalg
 from .options import QuantOption, perm_bits
 from .quant import (
     QuantizedTensor,
@@ -96,40 +97,48 @@ def damped_hessian(gram: np.ndarray, damp: float, copy: bool = True) -> tuple[np
     return h, float(lam.max()) if lam.size else 0.0
 
 
-def _inverse_cholesky(make_reversed: Callable[[], mx.array], damp_step: float | None = None
+def _reversed_damped(a: np.ndarray, g: np.ndarray, rev: np.ndarray, diag: np.ndarray) -> None:
+    """Write ``g[rev][:, rev]`` into ``a`` a chunk of rows at a time (no ``k x k`` temporary), then set its
+    diagonal to ``diag`` (the damped one)."""
+    step = linalg._rows_per_chunk(g.shape[-1])
+    for i0 in range(0, a.shape[0], step):
+        a[i0:i0 + step] = g[rev[i0:i0 + step]][:, rev]
+    np.einsum("ii->i", a)[:] = diag
+
+
+def _inverse_cholesky(g: np.ndarray, rev: np.ndarray, diag: np.ndarray, damp_step: float | None = None
                       ) -> tuple[mx.array, float]:
-    """Upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``, each ``[k, k]`` of ``[B, k, k]``), on MLX's CPU
-    linear algebra in float32, given ``make_reversed()`` building ``P H P`` (``P`` reverses the channels).
+    """Upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``, each ``[k, k]`` of ``[B, k, k]``) for ``H``
+    the Gram ``g`` reordered to ``rev[::-1]`` with the damped diagonal ``diag`` (``[B, k]``, order of ``rev``).
 
     A matrix that is not numerically positive definite gets ``damp_step`` (default 1% of its mean
-    diagonal) more damping, growing tenfold per retry (``make_reversed`` is called again each time);
-    returns ``U`` and the extra damping used.
+    diagonal) more damping, growing tenfold per retry; returns ``U`` and the extra damping used.
 
-    With ``P H P = L L^T``, ``H^-1 = U^T U`` for ``U = P L^-1 P``: one Cholesky and one triangular
-    inverse, with at most two ``k x k`` results alive besides what ``make_reversed`` reads (at 14,336
-    channels each is 822 MB; inverting ``H`` and factorising the inverse held three).
+    With ``P H P = L L^T`` (``P`` reverses the channels), ``H^-1 = U^T U`` for ``U = P L^-1 P``: the reversed
+    ``H`` is built in one MLX-owned ``k x k`` buffer, which :mod:`mlx_dq.linalg` overwrites with ``L``, then
+    ``L^-1``, then ``U``: one ``k x k`` array besides the Gram (at 14,336 channels each is 822 MB; MLX's
+    ``cholesky`` and ``tri_inv`` held three).
     """
-    step = damp_step
+    step = damp_step if damp_step is not None else 0.01 * max(float(diag.mean()), 1e-12)
     extra = 0.0
+    buf = mx.zeros(g.shape, dtype=mx.float32)
+    mx.eval(buf)
+    a = np.asarray(buf)  # a writable view: the buffer is this function's alone until returned
     for _ in range(MAX_DAMP_RETRIES):
-        hm = make_reversed()
-        if step is None:
-            step = 0.01 * max(float(mx.mean(mx.diagonal(hm, axis1=-2, axis2=-1))), 1e-12)
-        if extra:
-            hm = hm + extra * mx.eye(hm.shape[-1], dtype=mx.float32)
-        lower = mx.linalg.cholesky(hm, stream=mx.cpu)
-        mx.eval(lower)
-        del hm
-        inv = mx.linalg.tri_inv(lower, upper=False, stream=mx.cpu)
-        mx.eval(inv)
-        del lower
-        upper = mx.contiguous(inv[..., ::-1, ::-1])
-        mx.eval(upper)
-        del inv
-        d = mx.diagonal(upper, axis1=-2, axis2=-1)
-        if mx.all(mx.isfinite(upper)).item() and mx.all(d > 0).item():
-            return upper, extra
-        del upper
+        ok = True
+        for b in range(g.shape[0]):
+            mb = buf[b, :, :]  # a view (``buf[b]`` would be a copy)
+            mx.eval(mb)  # a view of the buffer: MLX reads its slices, numpy writes through ``a[b]``
+            _reversed_damped(a[b], g[b], rev, diag[b] + extra)
+            ok = linalg.cholesky_in_place(mb)
+            if not ok:
+                break
+            linalg.lower_inverse_in_place(mb)
+            linalg.reverse_in_place(a[b])
+        if ok:
+            d = np.einsum("bii->bi", a)
+            if np.isfinite(a).all() and np.all(d > 0):
+                return buf, extra
         extra = step if extra == 0.0 else extra * 10.0
     raise ValueError(f"Gram matrix is not positive definite even with {extra:g} added damping")
 
@@ -161,23 +170,24 @@ class HessianFactor:
 def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: float = DEFAULT_DAMP) -> HessianFactor:
     """Damp ``gram`` (``[k, k]`` or ``[Bg, k, k]``), reorder it to ``sequence`` and factorise its inverse.
 
-    Memory: the reordered, damped copy goes to MLX and is dropped once factorised (rebuilt on a
-    retry), and ``u`` shares MLX's buffer: at 14,336 channels that is two 822 MB copies fewer.
+    Memory: the Gram is read in place (a numpy view) and the factor is built in one ``k x k`` buffer per
+    matrix that ``u`` shares with MLX (see :func:`_inverse_cholesky`).
     """
     g = np.asarray(gram, dtype=np.float32)
     g = g[None] if g.ndim == 2 else g
     seq = np.asarray(sequence, dtype=np.int64)
-    lam, added = 0.0, None
-
-    def make() -> mx.array:
-        nonlocal lam, added
-        rev = seq[::-1]  # built reversed (see _inverse_cholesky): the same one fresh copy
-        h, lam = damped_hessian(g[:, rev[:, None], rev[None, :]], damp, copy=False)
-        added = (np.einsum("bii->bi", h).astype(np.float64) - np.einsum("bii->bi", g)[:, rev])[:, ::-1]
-        return mx.array(h)
-
-    upper, extra = _inverse_cholesky(make)
-    return HessianFactor(seq, upper, float(damp), lam, extra, added + extra)
+    rev = seq[::-1].copy()
+    if g.shape[-1] == 0:
+        return HessianFactor(seq, mx.zeros(g.shape, dtype=mx.float32), float(damp), 0.0, 0.0, np.zeros(g.shape[:2]))
+    if damp < 0:
+        raise ValueError(f"damp must be >= 0, got {damp}")
+    before = np.einsum("bii->bi", g)[:, rev].astype(np.float32)  # damped exactly as damped_hessian does
+    diag = np.where(before <= 0, np.float32(1.0), before)
+    lam = np.float32(damp) * diag.mean(axis=-1, keepdims=True, dtype=np.float32)
+    diag += lam
+    upper, extra = _inverse_cholesky(g, rev, diag)
+    added = (diag.astype(np.float64) - before)[:, ::-1]
+    return HessianFactor(seq, upper, float(damp), float(lam.max()), extra, added + extra)
 
 
 # --------------------------------------------------------------------------
