@@ -757,3 +757,31 @@ def test_error_meter_takes_its_reference_from_given_energies(monkeypatch):
         assert not any(products)
         assert b.oden == pytest.approx(a.oden, rel=1e-5) and b.wden == a.wden
         assert b(wq)[0] == pytest.approx(a(wq)[0], rel=1e-5) and b(wq)[1] == a(wq)[1]
+
+
+def test_looked_up_rows_are_swapped_in_place_and_back():
+    """The lookup probe changes a float32 table's rows in its own buffer (the same array, no copy of the table) and
+    restores them, also when the probe fails; a 16-bit table gets a changed copy and then its own array back."""
+    import mlx.nn as nn
+
+    from mlx_dq.measure import _rows_swapped
+
+    emb = nn.Embedding(50, 8)
+    emb.weight = mx.random.normal((50, 8), key=mx.random.key(0))
+    mx.eval(emb.weight)
+    table, orig = emb.weight, np.array(emb.weight)
+    ids, new = np.array([3, 7, 41]), mx.ones((3, 8))
+    with _rows_swapped(emb, ids, new):
+        assert emb.weight is table  # changed in place
+        inside = np.array(emb(mx.array([7, 2])))
+    assert np.array_equal(inside[0], np.ones(8)) and np.array_equal(inside[1], orig[2])
+    assert emb.weight is table and np.array_equal(np.asarray(emb.weight), orig)
+    with pytest.raises(RuntimeError):
+        with _rows_swapped(emb, ids, new):
+            raise RuntimeError("probe failed")
+    assert np.array_equal(np.asarray(emb.weight), orig)
+    half = emb.weight = table.astype(mx.bfloat16)
+    with _rows_swapped(emb, ids, new):
+        assert emb.weight is not half
+        assert np.array_equal(np.array(emb.weight[mx.array(ids)].astype(mx.float32)), np.ones((3, 8)))
+    assert emb.weight is half
