@@ -106,8 +106,8 @@ def _reversed_damped(a: np.ndarray, g: np.ndarray, rev: np.ndarray, diag: np.nda
     np.einsum("ii->i", a)[:] = diag
 
 
-def _inverse_cholesky(g: np.ndarray, rev: np.ndarray, diag: np.ndarray, damp_step: float | None = None
-                      ) -> tuple[mx.array, float]:
+def _inverse_cholesky(g: np.ndarray, rev: np.ndarray, diag: np.ndarray, damp_step: float | None = None,
+                      into: mx.array | None = None) -> tuple[mx.array, float]:
     """Upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``, each ``[k, k]`` of ``[B, k, k]``) for ``H``
     the Gram ``g`` reordered to ``rev[::-1]`` with the damped diagonal ``diag`` (``[B, k]``, order of ``rev``).
 
@@ -117,28 +117,43 @@ def _inverse_cholesky(g: np.ndarray, rev: np.ndarray, diag: np.ndarray, damp_ste
     With ``P H P = L L^T`` (``P`` reverses the channels), ``H^-1 = U^T U`` for ``U = P L^-1 P``: the reversed
     ``H`` is built in one MLX-owned ``k x k`` buffer, which :mod:`mlx_dq.linalg` overwrites with ``L``, then
     ``L^-1``, then ``U``: one ``k x k`` array besides the Gram (at 14,336 channels each is 822 MB; MLX's
-    ``cholesky`` and ``tri_inv`` held three).
+    ``cholesky`` and ``tri_inv`` held three). ``into``: the Gram's own MLX array (``g`` its view), reordered in
+    place and turned into ``U`` (no second ``k x k`` array; a failed attempt is multiplied back, see
+    :func:`~mlx_dq.linalg.unfactor_in_place`).
     """
     step = damp_step if damp_step is not None else 0.01 * max(float(diag.mean()), 1e-12)
     extra = 0.0
-    buf = mx.zeros(g.shape, dtype=mx.float32)
+    buf = into if into is not None else mx.zeros(g.shape, dtype=mx.float32)
     mx.eval(buf)
     a = np.asarray(buf)  # a writable view: the buffer is this function's alone until returned
+    if into is not None:
+        for b in range(g.shape[0]):
+            linalg.permute_in_place(a[b], rev)
     for _ in range(MAX_DAMP_RETRIES):
         ok = True
         for b in range(g.shape[0]):
             mb = buf[b, :, :]  # a view (``buf[b]`` would be a copy)
-            mx.eval(mb)  # a view of the buffer: MLX reads its slices, numpy writes through ``a[b]``
-            _reversed_damped(a[b], g[b], rev, diag[b] + extra)
-            ok = linalg.cholesky_in_place(mb)
-            if not ok:
+            mx.eval(mb)  # MLX reads its slices, numpy writes through ``a[b]``
+            if into is None:
+                _reversed_damped(a[b], g[b], rev, diag[b] + extra)
+            else:
+                np.einsum("ii->i", a[b])[:] = diag[b] + extra
+            done = linalg.cholesky_in_place(mb)
+            if done < a.shape[-1]:
+                if into is not None:
+                    linalg.unfactor_in_place(mb, done)
+                ok = False
                 break
-            linalg.lower_inverse_in_place(mb)
-            linalg.reverse_in_place(a[b])
         if ok:
+            for b in range(g.shape[0]):
+                mb = buf[b, :, :]
+                linalg.lower_inverse_in_place(mb)
+                linalg.reverse_in_place(a[b])
             d = np.einsum("bii->bi", a)
             if np.isfinite(a).all() and np.all(d > 0):
                 return buf, extra
+            if into is not None:
+                raise ValueError("the Hessian factor of a consumed Gram matrix is not finite")
         extra = step if extra == 0.0 else extra * 10.0
     raise ValueError(f"Gram matrix is not positive definite even with {extra:g} added damping")
 
@@ -167,27 +182,66 @@ class HessianFactor:
         return np.asarray(self.u_mx)
 
 
-def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: float = DEFAULT_DAMP) -> HessianFactor:
+def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: float = DEFAULT_DAMP,
+                   consume: bool = False) -> HessianFactor:
     """Damp ``gram`` (``[k, k]`` or ``[Bg, k, k]``), reorder it to ``sequence`` and factorise its inverse.
 
     Memory: the Gram is read in place (a numpy view) and the factor is built in one ``k x k`` buffer per
-    matrix that ``u`` shares with MLX (see :func:`_inverse_cholesky`).
+    matrix that ``u`` shares with MLX (see :func:`_inverse_cholesky`). ``consume``: ``gram`` (an evaluated
+    float32 MLX array nothing else will read) becomes the factor, in its own buffer.
     """
+    if isinstance(gram, FactoredGram):
+        raise ValueError("this Gram matrix was consumed by its Hessian factor for another channel sequence")
+    if consume and not (isinstance(gram, mx.array) and gram.dtype == mx.float32):
+        raise ValueError("only an MLX float32 Gram matrix can be consumed by its factor")
     g = np.asarray(gram, dtype=np.float32)
     g = g[None] if g.ndim == 2 else g
     seq = np.asarray(sequence, dtype=np.int64)
     rev = seq[::-1].copy()
-    if g.shape[-1] == 0:
-        return HessianFactor(seq, mx.zeros(g.shape, dtype=mx.float32), float(damp), 0.0, 0.0, np.zeros(g.shape[:2]))
     if damp < 0:
         raise ValueError(f"damp must be >= 0, got {damp}")
     before = np.einsum("bii->bi", g)[:, rev].astype(np.float32)  # damped exactly as damped_hessian does
     diag = np.where(before <= 0, np.float32(1.0), before)
     lam = np.float32(damp) * diag.mean(axis=-1, keepdims=True, dtype=np.float32)
     diag += lam
-    upper, extra = _inverse_cholesky(g, rev, diag)
+    into = (gram[None] if gram.ndim == 2 else gram) if consume else None
+    upper, extra = _inverse_cholesky(g, rev, diag, into=into)
     added = (diag.astype(np.float64) - before)[:, ::-1]
     return HessianFactor(seq, upper, float(damp), float(lam.max()), extra, added + extra)
+
+
+@dataclass(frozen=True)
+class FactoredGram:
+    """What is left of a Gram matrix whose buffer became its Hessian factor (:func:`consume_gram`): its shape and
+    undamped diagonal, which is all GPTQ reads once the factor is made. Anything else that needs the Gram itself
+    fails loudly (it has no ``astype`` and cannot be multiplied)."""
+
+    shape: tuple[int, ...]  # [1, k, k]: one bank, as GPTQ sees a Gram
+    diag: np.ndarray  # [Bg, k] float32
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def consume_gram(gram: mx.array, factor_cache: dict, damp: float = DEFAULT_DAMP) -> FactoredGram:
+    """Factor ``gram`` (``[k, k]``, float32, read by nothing else afterwards) for the act-order channel sequence every
+    GPTQ option of :func:`gptq_quantize_many` uses (uniform with act order, mixed in energy order), in the Gram's own
+    buffer, into ``factor_cache``; returns the stand-in to pass as the Gram from then on.
+
+    Why: the Gram and its factor were two ``k x k`` arrays while a tensor's options were measured (822 MB each at
+    Llama-3-8B's 14,336-channel ``down_proj`` input, 3.3 GB at 70B's)."""
+    mx.eval(gram)
+    k = int(gram.shape[-1])
+    diag = np.einsum("bii->bi", np.asarray(gram)[None]).astype(np.float32)
+    seq = energy_order(k, gram)
+    key = _factor_key(damp, 1, seq)
+    factor_cache[key] = factor_hessian(gram, seq, damp, consume=True)
+    return FactoredGram((1, k, k), diag)
+
+
+def _factor_key(damp: float, banks: int, seq: np.ndarray) -> tuple:
+    return float(damp), banks, np.asarray(seq, dtype=np.int64).tobytes()
 
 
 # --------------------------------------------------------------------------
@@ -473,8 +527,10 @@ def gptq_core(
 
     identity = np.array_equal(order, np.arange(k))
     ws = w if identity else w[:, :, order]  # storage order (a view when it is the original order)
-    gram = np.asarray(gram, dtype=np.float32)
-    energy = np.einsum("bii->bi", gram)[:, order].copy()  # undamped diag(H), storage order [Bg, k]
+    if not isinstance(gram, FactoredGram):
+        gram = np.asarray(gram, dtype=np.float32)
+    diag = gram.diag if isinstance(gram, FactoredGram) else np.einsum("bii->bi", gram)
+    energy = diag[:, order].copy()  # undamped diag(H), storage order [Bg, k]
     porder = np.arange(k) if process_order is None else np.asarray(process_order)
     if not static_groups and process_order is not None and not np.array_equal(porder, np.arange(k)):
         raise ValueError("a custom process order needs static_groups=True")
@@ -701,8 +757,12 @@ def gptq_quantize_many(
     if gram is None:
         raise ValueError("gptq_quantize needs the Gram matrix X^T X of the tensor's inputs")
     wm = mx.array(w) if isinstance(w, np.ndarray) else w
-    gm = mx.array(gram) if isinstance(gram, np.ndarray) else gram
-    w3, g3 = _as_banks(wm, gm)
+    factored = gram if isinstance(gram, FactoredGram) else None  # consumed by its factor: diagonal and shape only
+    gm = None if factored else mx.array(gram) if isinstance(gram, np.ndarray) else gram
+    w3, g3 = _as_banks(wm, gm) if factored is None else (_as_banks(wm, None)[0], None)
+    if factored is not None and (factored.shape[-1] != shape[-1] or w3.shape[0] != 1 or error_stats):
+        raise ValueError(f"a consumed Gram matrix of shape {factored.shape} for a weight of shape {shape}"
+                         + (" (error_stats needs the Gram itself)" if error_stats else ""))
     in_f = shape[-1]
     for option in options:
         if not option.fits(in_f):
@@ -711,9 +771,9 @@ def gptq_quantize_many(
         raise ValueError("options quantized in one GPTQ pass need the same channel order and group layout: "
                          + ", ".join(o.desc for o in options))
     w32 = w3 if w3.dtype == mx.float32 else w3.astype(mx.float32)
-    mx.eval(w32, g3)  # MLX's work done as MLX's (a profile then does not count it as numpy's)
+    mx.eval(w32, *([] if g3 is None else [g3]))  # MLX's work as MLX's (a profile then does not count it as numpy's)
     wnp = np.asarray(w32)  # a view: GPTQ reads, never writes
-    gnp = np.asarray(g3)  # a view: GPTQ only reads it (at 14,336 channels a copy is 822 MB)
+    gnp = factored if factored is not None else np.asarray(g3)  # a view: GPTQ only reads it (a copy: 822 MB at 14,336)
     n_exp, out_f = wnp.shape[0], wnp.shape[1]
     folded = gnp.shape[0] == 1 and n_exp > 1
     if folded:  # one Hessian for every expert: experts are just more rows
@@ -724,7 +784,7 @@ def gptq_quantize_many(
         wnp = np.broadcast_to(wnp, (len(options),) + wnp.shape[1:])
 
     mixed = options[0].is_mixed
-    energy = energy_order(in_f, g3)
+    energy = energy_order(in_f, g3) if factored is None else np.argsort(-factored.diag.sum(0), kind="stable")
     if mixed:  # the processing order is also the segment assignment and the stored permutation
         order, process, static = (np.arange(in_f) if natural_order else energy), None, False
     elif act_order:
@@ -735,7 +795,7 @@ def gptq_quantize_many(
     factor = None
     if factor_cache is not None:
         seq = order if process is None else order[process]
-        key = (float(damp), gnp.shape[0], seq.tobytes())
+        key = _factor_key(damp, gnp.shape[0], seq)
         factor = factor_cache.get(key)
         if factor is None:
             factor = factor_cache[key] = factor_hessian(gnp, seq, damp)

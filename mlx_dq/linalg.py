@@ -20,20 +20,22 @@ def _rows_per_chunk(width: int) -> int:
     return max(1, CHUNK_FLOATS // max(width, 1))
 
 
-def cholesky_in_place(m: mx.array, block: int = 0) -> bool:
-    """Overwrite the evaluated float32 ``[k, k]`` MLX array ``m`` (symmetric, lower triangle read), which nothing
-    else may hold, with its lower Cholesky factor ``L`` (``m = L L^T``), zeros above the diagonal. Returns False,
-    leaving ``m`` partly overwritten, when it is not numerically positive definite (a pivot not finite or not
-    positive). MLX reads ``m``'s slices at evaluation (each step is evaluated at once); numpy writes the results
-    through a view of the same buffer."""
+def cholesky_in_place(m: mx.array, block: int = 0) -> int:
+    """Overwrite the evaluated float32 ``[k, k]`` MLX array ``m`` (symmetric, only its lower triangle read), which
+    nothing else may hold, with its lower Cholesky factor ``L`` (``m = L L^T``), zeros above the diagonal.
+
+    Returns the columns factorised: ``k``, or fewer when a pivot is not finite or not positive (``m`` is then
+    partly overwritten; :func:`unfactor_in_place` multiplies it back). MLX reads ``m``'s slices at evaluation
+    (each step is evaluated at once); numpy writes the results through a view of the same buffer."""
     a = np.asarray(m)
     k, block = a.shape[0], block or BLOCK
     for j0 in range(0, k, block):
         j1 = min(j0 + block, k)
-        d = mx.linalg.cholesky(m[j0:j1, j0:j1], stream=mx.cpu)
+        low = np.tril(a[j0:j1, j0:j1])
+        d = mx.linalg.cholesky(mx.array(low + np.tril(low, -1).T), stream=mx.cpu)
         diag = mx.diagonal(d)
         if not (mx.all(mx.isfinite(d)).item() and mx.all(diag > 0).item()):
-            return False
+            return j0
         a[j0:j1, j0:j1] = np.tril(np.asarray(d))
         a[j0:j1, j1:] = 0.0
         if j1 == k:
@@ -49,7 +51,56 @@ def cholesky_in_place(m: mx.array, block: int = 0) -> bool:
             mx.eval(upd)
             a[i0:i1, j1:i1] = np.asarray(upd)
             del upd
-    return True
+    return k
+
+
+def unfactor_in_place(m: mx.array, done: int) -> None:
+    """Undo a :func:`cholesky_in_place` that stopped after ``done`` columns: its lower triangle is the original
+    matrix's again, to float rounding (``A22 = S + L21 L21^T``, ``A21 = L21 L11^T``, ``A11 = L11 L11^T``; the
+    last bottom-up, so each row chunk reads rows not yet rewritten). Why: a consumed Gram matrix has no copy
+    to rebuild from when it needs more damping."""
+    a = np.asarray(m)
+    k = a.shape[0]
+    if done == 0:
+        return
+    step = _rows_per_chunk(k)
+    for i0 in range(done, k, step):  # every L21 row is read here, so A21 is written only after this loop
+        i1 = min(i0 + step, k)
+        upd = m[i0:i1, done:i1] + m[i0:i1, :done] @ m[done:i1, :done].T
+        mx.eval(upd)
+        a[i0:i1, done:i1] = np.asarray(upd)
+    for i0 in range(done, k, step):
+        i1 = min(i0 + step, k)
+        x = m[i0:i1, :done] @ m[:done, :done].T
+        mx.eval(x)
+        a[i0:i1, :done] = np.asarray(x)
+    for i1 in range(done, 0, -step):
+        i0 = max(i1 - step, 0)
+        x = m[i0:i1, :i1] @ m[:i1, :i1].T
+        mx.eval(x)
+        a[i0:i1, :i1] = np.asarray(x)
+
+
+def permute_in_place(a: np.ndarray, perm: np.ndarray) -> None:
+    """``a[:] = a[perm][:, perm]`` for a ``[k, k]`` array: rows moved along the permutation's cycles (one row
+    aside at a time), then each chunk of rows' columns reordered (no ``k x k`` temporary)."""
+    k = a.shape[0]
+    seen = np.zeros(k, dtype=bool)
+    for i in range(k):
+        if seen[i] or perm[i] == i:
+            continue
+        tmp, j = a[i].copy(), i
+        while True:
+            seen[j] = True
+            nxt = int(perm[j])
+            if nxt == i:
+                a[j] = tmp
+                break
+            a[j] = a[nxt]
+            j = nxt
+    step = _rows_per_chunk(k)
+    for i0 in range(0, k, step):
+        a[i0:i0 + step] = a[i0:i0 + step][:, perm]
 
 
 def lower_inverse_in_place(m: mx.array, block: int = 0) -> None:

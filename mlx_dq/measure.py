@@ -106,6 +106,7 @@ from .measurement import Measurement, TensorRecord, load_measurement, save_measu
 from .options import QuantOption
 from .grids import load_grid
 from .names import layer_index, role_of
+from .gptq import FactoredGram, consume_gram
 from .quant import exact_sums, output_error, quantize_weight, relative_error
 from .quantize import (METHODS, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
                        quantize_tensor, row_blocks, tensor_work)
@@ -141,7 +142,8 @@ def _digest(*parts: Any) -> str:
 def _energy_summary(stats: InputStats) -> dict[str, float]:
     """Compact activation-energy figures from the Gram diagonal (what act-order sorts by)."""
     g = stats.gram
-    diag = np.asarray(mx.diagonal(g, axis1=-2, axis2=-1).reshape(-1, g.shape[-1]).sum(0), dtype=np.float64)
+    diag = np.asarray(g.diag.sum(0) if isinstance(g, FactoredGram) else
+                      mx.diagonal(g, axis1=-2, axis2=-1).reshape(-1, g.shape[-1]).sum(0), dtype=np.float64)
     total = float(diag.sum())
     if total <= 0:
         return {"top1pct": 0.0, "top10pct": 0.0, "max_over_mean": 0.0}
@@ -329,23 +331,22 @@ def measure_tensor(
     timings: dict[str, float] | None = None,
     sample: tuple[mx.array, mx.array] | None = None,
     energy: mx.array | np.ndarray | None = None,
+    consume_gram: bool = False,
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
-    ``stats`` holds the Gram matrix of the tensor's inputs (a linear layer or tied
-    head); ``lookup`` the token counts of an embedding used as a lookup table.
-    ``method`` is the converter's quantizer ("gptq": error compensation against
-    the Gram matrix, so the errors are the ones conversion produces; "rtn":
-    rounding, plus the clip search when ``clip``). When ``kept`` is a dict whose
-    keys name options, their dequantized weights are stored in it; ``damage_fn(wq)``
-    when given measures each option's end-to-end damage. ``progress``: a bar over the options.
-    ``only`` (option descriptions) measures just those (one rank's share).
-    ``sample_rows > 0`` measures a linear layer's options on a seeded random subset
-    of that many output rows (see :func:`output_row_sample`); options in ``kept``
-    are still quantized on every row. ``timings`` (a dict) receives each measured
-    option's wall seconds, which balance the work of later layers over ranks.
+    ``stats`` holds the Gram matrix of the tensor's inputs (a linear layer or tied head); ``lookup`` the token
+    counts of an embedding used as a lookup table. ``method`` is the converter's quantizer ("gptq": error
+    compensation against the Gram matrix, so the errors are the ones conversion produces; "rtn": rounding, plus
+    the clip search when ``clip``). When ``kept`` is a dict whose keys name options, their dequantized weights are
+    stored in it; ``damage_fn(wq)`` when given measures each option's end-to-end damage. ``progress``: a bar over
+    the options. ``only`` (option descriptions) measures just those (one rank's share). ``sample_rows > 0``
+    measures a linear layer's options on a seeded random subset of that many output rows (see
+    :func:`output_row_sample`); options in ``kept`` are still quantized on every row. ``timings`` (a dict)
+    receives each measured option's wall seconds, which balance the work of later layers over ranks.
     ``sample`` (row indices, row weights) gives the rows instead (``damage_fn`` then gets those rows' dequantized
-    weights). ``energy``: every output row's ``w_i G w_i^T`` when known (the sample and the meter use it)."""
+    weights). ``energy``: every output row's ``w_i G w_i^T`` when known (the sample and the meter use it).
+    ``consume_gram``: ``stats.gram`` is this tensor's alone, read by nothing else afterwards (see :func:`_consumed`)."""
     check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
@@ -362,6 +363,7 @@ def measure_tensor(
     fitting = [o for o in fitting_options(options, shape[-1]) if only is None or o.desc in only]
     factors: dict = {}
     in_kept = [o for o in fitting if kept is not None and o.desc in kept]
+    gram = _consumed(stats, meter, fitting, kept, factors, method, energy) if consume_gram else gram
     quantized = option_quantizer(w, [o for o in fitting if o not in in_kept], gram, method=method, clip=clip,
                                  factor_cache=factors)  # the converter's quantizer, options batched
     for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
@@ -392,6 +394,22 @@ def measure_tensor(
         rec.extra["sampled_rows"] = int(rows_idx.shape[0])
     rec.extra.update(_input_facts(key, stats, lookup))
     return rec
+
+
+def _consumed(stats: InputStats, meter: "_ErrorMeter", fitting: list[QuantOption], kept: dict | None,
+              factors: dict, method: str, energy: Any) -> Any:
+    """The Gram matrix of ``stats`` factorised in its own buffer into ``factors`` when every option is GPTQ's with
+    that factor (GPTQ, the rows' energies given, a 2-D float32 Gram, every option ``kept`` among ``fitting``);
+    then ``stats.gram`` and the meter hold the stand-in (diagonal and shape, :class:`~mlx_dq.gptq.FactoredGram`),
+    so anything still needing the Gram fails loudly. Why: the Gram and its factor were two ``k x k`` arrays
+    through a tensor's options (822 MB each at Llama-3-8B's ``down_proj``, 3.3 GB at 70B's)."""
+    gram = stats.gram
+    kept_ok = kept is None or set(kept) <= {o.desc for o in fitting}
+    if not (method == "gptq" and energy is not None and isinstance(gram, mx.array) and gram.ndim == 2
+            and gram.dtype == mx.float32 and meter.w.ndim == 2 and kept_ok):
+        return gram
+    stats.gram = meter.g = consume_gram(gram, factors)
+    return stats.gram
 
 
 def compact_weight(wq: mx.array) -> mx.array:
@@ -1068,7 +1086,7 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
         kept = {refs_opt[path].desc: None}
         rec = measure_tensor(path, w, grid[path], stats, role_of(path), clip=run.clip, kept=kept, method=s.method,
                              only=_owned(owner, path), sample_rows=s.sample_rows, timings=timings[path],
-                             energy=col.energies.get(path))
+                             energy=col.energies.get(path), consume_gram=stats is not None and len(stats.group) <= 1)
         return rec, kept
 
     for path in mods:

@@ -25,7 +25,8 @@ PIPELINE_ORDER = [
     # model sources and loading
     "mlx_dq.gguf_io", "mlx_dq.sources",
     # quantizers and quantized layers
-    "mlx_dq.quant", "mlx_dq.gptq", "mlx_dq.mixed", "mlx_dq.rowsplit", "mlx_dq.loader", "mlx_dq.grids", "mlx_dq.settings",
+    "mlx_dq.quant", "mlx_dq.linalg", "mlx_dq.gptq", "mlx_dq.mixed", "mlx_dq.rowsplit", "mlx_dq.loader", "mlx_dq.grids",
+    "mlx_dq.settings",
     # streaming a model, the one quantizer dispatch
     "mlx_dq.runner", "mlx_dq.quantize",
     # measuring

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dq.gptq import factor_hessian, gptq_core, gptq_quantize, refine_group_params
+from mlx_dq.gptq import factor_hessian, gptq_core, gptq_quantize, gptq_quantize_many, refine_group_params
 from mlx_dq.options import QuantOption
 from mlx_dq.quant import act_order, pack_codes, quantize_weight
 
@@ -357,7 +357,7 @@ def test_blocked_factor_and_inverse_in_place(k, block, monkeypatch):
     m = mx.array(h.astype(np.float32))
     mx.eval(m)
     a = np.asarray(m)
-    assert linalg.cholesky_in_place(m, block)
+    assert linalg.cholesky_in_place(m, block) == k
     low = np.linalg.cholesky(h)
     assert np.shares_memory(a, np.asarray(m)) and np.array_equal(np.triu(a, 1), np.zeros((k, k)))
     assert np.abs(a - low).max() <= 1e-5 * np.abs(low).max()
@@ -369,7 +369,10 @@ def test_blocked_factor_and_inverse_in_place(k, block, monkeypatch):
     assert np.array_equal(a, before[::-1, ::-1])
     bad = mx.array(np.array([[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]], dtype=np.float32))
     mx.eval(bad)
-    assert not linalg.cholesky_in_place(bad, 2) and not linalg.cholesky_in_place(bad, 1)
+    assert linalg.cholesky_in_place(bad, 2) == 0
+    bad = mx.array(np.array([[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]], dtype=np.float32))
+    mx.eval(bad)
+    assert linalg.cholesky_in_place(bad, 1) == 1  # the first column factorised, the second pivot negative
 
 
 def test_group_parameters_in_row_chunks_equal_one_call(monkeypatch, layer):
@@ -461,3 +464,70 @@ def test_singular_gram_gets_more_damping_and_the_factor_stays_right(monkeypatch)
     inv = np.linalg.inv(h)
     assert np.abs(u.T @ u - inv).max() <= 1e-3 * np.abs(inv).max()
     assert np.allclose(f.added[0], f.extra_damp)
+
+
+@pytest.mark.parametrize("k,block,fail_at", [(9, 2, 5), (40, 8, 23), (40, 64, 23)])
+def test_failed_factor_is_multiplied_back(k, block, fail_at, monkeypatch):
+    """A Cholesky that stops part way (a channel dependent on earlier ones, no damping) is undone in place: the
+    lower triangle equals the original matrix again, so a consumed Gram can be damped more and factorised anew;
+    permuting in place equals fancy indexing."""
+    from mlx_dq import linalg
+
+    monkeypatch.setattr(linalg, "CHUNK_FLOATS", 3 * k)
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((3 * k, k))
+    x[:, fail_at] = x[:, :fail_at] @ rng.standard_normal(fail_at)  # channel fail_at depends on the ones before
+    h = (x.T @ x / k).astype(np.float32)
+    perm = rng.permutation(k)
+    a = h.copy()
+    linalg.permute_in_place(a, perm)
+    assert np.array_equal(a, h[perm][:, perm])
+    m = mx.array(h)
+    mx.eval(m)
+    done = linalg.cholesky_in_place(m, block)
+    assert done <= fail_at and done % block == 0 and done < k
+    linalg.unfactor_in_place(m, done)
+    low = np.tril(np.asarray(m))
+    assert np.abs(low - np.tril(h)).max() <= 1e-5 * np.abs(h).max()
+
+
+@pytest.mark.parametrize("rank,damp", [(None, 0.01), (12, 0.0)])
+def test_consumed_gram_becomes_the_same_factor(rank, damp, monkeypatch):
+    """A Gram factorised in its own buffer gives the factor of a copy (bit for bit when no retry was needed; to
+    float rounding after a failed attempt was multiplied back and damped more); GPTQ on the stand-in equals GPTQ on
+    the Gram; anything needing the Gram itself fails loudly."""
+    from mlx_dq import linalg
+    from mlx_dq.gptq import FactoredGram, consume_gram
+
+    monkeypatch.setattr(linalg, "BLOCK", 16)
+    monkeypatch.setattr(linalg, "CHUNK_FLOATS", 16 * 64)
+    k = 64
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((rank or 4 * k, k)).astype(np.float32)
+    gram_np = x.T @ x
+    w = mx.array(rng.standard_normal((24, k)).astype(np.float32))
+    opts = [QuantOption.parse("1.0:4b_32g"), QuantOption.parse("0.5:4b_32g/0.5:3b_32g")]
+    plain = [gptq_quantize_many(w, [o], mx.array(gram_np), damp=damp, factor_cache={})[0] for o in opts]
+    gram = mx.array(gram_np)
+    mx.eval(gram)
+    cache: dict = {}
+    stand_in = consume_gram(gram, cache, damp)
+    assert isinstance(stand_in, FactoredGram) and stand_in.shape == (1, k, k)
+    (f,) = cache.values()
+    assert np.shares_memory(f.u, np.asarray(gram))
+    fresh = factor_hessian(mx.array(gram_np), f.sequence, damp)
+    if rank is None:
+        assert f.extra_damp == 0 and np.array_equal(f.u, fresh.u)
+    else:
+        assert f.extra_damp == fresh.extra_damp > 0
+        assert np.abs(f.u - fresh.u).max() <= 1e-3 * np.abs(fresh.u).max()
+    for o, ref in zip(opts, plain):
+        got = gptq_quantize_many(w, [o], stand_in, damp=damp, factor_cache=cache, error_stats=False)[0]
+        if rank is None:
+            assert all(np.array_equal(np.asarray(a), np.asarray(b)) for pa, pb in zip(got.parts, ref.parts)
+                       for a, b in zip(pa, pb))
+            assert np.allclose(got.out_sq, ref.out_sq, rtol=1e-6)
+    with pytest.raises(ValueError, match="consumed"):
+        gptq_quantize_many(w, [opts[0]], stand_in, damp=damp + 0.1, factor_cache=cache, error_stats=False)
+    with pytest.raises(AttributeError):
+        stand_in.astype(mx.float32)

@@ -785,3 +785,38 @@ def test_looked_up_rows_are_swapped_in_place_and_back():
         assert emb.weight is not half
         assert np.array_equal(np.array(emb.weight[mx.array(ids)].astype(mx.float32)), np.ones((3, 8)))
     assert emb.weight is half
+
+
+def test_consumed_gram_measures_the_same():
+    """A tensor whose Gram is its own (``consume_gram``) is measured with the Gram's buffer turned into the Hessian
+    factor: the same record and kept weight as with the Gram kept beside its factor; the collector's stats then hold
+    the stand-in, and a Gram shared with another tensor, or an option the factor cannot serve, is left alone."""
+    from mlx_dq.capture import InputStats
+    from mlx_dq.gptq import FactoredGram
+    from mlx_dq.measure import measure_tensor, output_energies
+    from mlx_dq.options import QuantOption
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(512, 128)).astype(np.float32)
+    w = mx.array(rng.normal(size=(40, 128)).astype(np.float32))
+    opts = [QuantOption.parse(d) for d in ("1.0:4b_32g", "1.0:3b_64g", "0.25:4b_32g/0.75:3b_32g", "1.0:2b_32g")]
+    energy = output_energies(w, mx.array(x.T @ x))
+    recs, kepts, stats = [], [], []
+    for consume, group in ((False, ("t",)), (True, ("t",)), (True, ("t", "u"))):
+        st = InputStats(gram=mx.array(x.T @ x), rows=512, group=group)
+        mx.eval(st.gram)
+        kept = {"1.0:4b_32g": None}
+        recs.append(measure_tensor("t", w, opts, st, "default", method="gptq", kept=kept, sample_rows=16,
+                                   energy=energy, consume_gram=consume and len(group) == 1))
+        kepts.append(kept["1.0:4b_32g"])
+        stats.append(st)
+    assert isinstance(stats[1].gram, FactoredGram) and isinstance(stats[0].gram, mx.array)
+    assert isinstance(stats[2].gram, mx.array) and np.array_equal(np.asarray(stats[2].gram), x.T @ x)
+    for rec, kept in zip(recs[1:], kepts[1:]):
+        assert rec.options == recs[0].options
+        assert {k: v for k, v in rec.extra.items() if k != "shares_input_with"} == recs[0].extra
+        assert mx.array_equal(kept, kepts[0]).item()
+    st = InputStats(gram=mx.array(x.T @ x), rows=512, group=("t",))
+    measure_tensor("t", w, opts, st, "default", method="gptq", kept={"1.0:8b_32g": None}, sample_rows=16,
+                   energy=energy, consume_gram=True)  # the kept option is not measured: its caller needs the Gram
+    assert isinstance(st.gram, mx.array)
