@@ -820,3 +820,31 @@ def test_consumed_gram_measures_the_same():
     measure_tensor("t", w, opts, st, "default", method="gptq", kept={"1.0:8b_32g": None}, sample_rows=16,
                    energy=energy, consume_gram=True)  # the kept option is not measured: its caller needs the Gram
     assert isinstance(st.gram, mx.array)
+
+
+def test_converter_consumes_a_tensors_own_gram_with_the_same_output(big_vocab, tmp_path, monkeypatch):
+    """The converter turns the Gram of a tensor with its own input (``down_proj``, ``o_proj``) into its Hessian
+    factor in place, and not a Gram that q/k/v or gate/up share: the written tensors and records are the same as
+    with every Gram kept beside its factor."""
+    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.convert import convert
+    from mlx_dq.names import MANIFEST_NAME
+
+    consumed: list[tuple[int, ...]] = []
+    orig = quantize_mod.consume_gram
+    monkeypatch.setattr(quantize_mod, "consume_gram",
+                        lambda g, c, d: consumed.append(tuple(g.shape)) or orig(g, c, d))
+    recipe = {"model.layers.0.mlp.down_proj": "0.25:4b_32g/0.75:3b_32g", "model.layers.0.self_attn.o_proj": "1.0:4b_32g",
+              "model.layers.0.mlp.gate_proj": "1.0:3b_64g", "model.layers.0.self_attn.q_proj": "1.0:4b_32g"}
+    convert(str(big_vocab["untied"]), tmp_path / "a", plan=recipe, rows=3, seq_len=40, progress=False)
+    assert len(consumed) == 2  # down_proj and o_proj
+    monkeypatch.setattr(quantize_mod, "_can_consume", lambda *a: False)
+    convert(str(big_vocab["untied"]), tmp_path / "b", plan=recipe, rows=3, seq_len=40, progress=False)
+    fa, fb = sorted((tmp_path / "a").glob("*.safetensors")), sorted((tmp_path / "b").glob("*.safetensors"))
+    assert [f.name for f in fa] == [f.name for f in fb]
+    for x, y in zip(fa, fb):
+        a, b = mx.load(str(x)), mx.load(str(y))
+        assert sorted(a) == sorted(b) and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    ra = json.loads((tmp_path / "a" / MANIFEST_NAME).read_text())["modules"]
+    rb = json.loads((tmp_path / "b" / MANIFEST_NAME).read_text())["modules"]
+    assert ra == rb
