@@ -192,7 +192,7 @@ class QuantizedModule:
     path: str
     module: nn.Module
     qt: QuantizedTensor  # a row-split table: its cold rows
-    gram: mx.array | None
+    gram: Any  # the input Gram; its stand-in (mlx_dq.gptq.FactoredGram) once it became the Hessian factor
     weight: mx.array | None  # None for a lookup table (no Gram: its record needs no weight)
     split: RowSplitCodes | None = None
     energy: mx.array | None = None  # output energy per output row, w_i G w_i^T, when the forward recorded it

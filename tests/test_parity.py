@@ -108,7 +108,7 @@ def test_measure_and_convert_use_the_same_quantizer(tiny_llama, tiny_qwen3_moe, 
             if not t.path.startswith("model.layers."):
                 continue  # embedding/head: measured one row at a time, so their Gram sums differ in the last bits
             arrays = tensor_arrays(t.path, t.qt, mx.float16)
-            converted = tensor_record(t.qt, t.gram, t.weight, arrays)["err"]
+            converted = tensor_record(t.qt, t.gram, t.weight, arrays, energy=t.energy)["err"]
             measured = m.tensors[t.path].find(opt).err
             assert converted == pytest.approx(measured, rel=1e-5, abs=1e-9), (t.path, opt.desc)
             compared += 1
