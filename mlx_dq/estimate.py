@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -236,15 +237,16 @@ def _stage_peak(layers: list, other: list, biggest_layer: int, outside_bytes: in
 
 def _layer_bytes(tensors: list, method: str) -> int:
     """One decoder layer's float32 weights, the Grams of its inputs (the tensors of one block with one input width
-    share one: q/k/v, gate/up) and, for GPTQ, the widest input's factorisation (two ``k x k`` beside its Gram).
+    share one: q/k/v, gate/up) and, for GPTQ, the factor of the widest shared input (one ``k x k`` buffer beside
+    its Gram; a tensor's own Gram becomes its factor in place, :func:`mlx_dq.gptq.consume_gram`).
 
-    Why the Grams and factor: at Llama-3-70B shapes the 28,672-channel ``down_proj`` input's Gram is 3.3 GB and
-    its factorisation twice that, more than the layer's weights."""
+    Why the Grams: at Llama-3-70B shapes the 28,672-channel ``down_proj`` input's Gram is 3.3 GB, about the
+    layer's weights."""
     weights = 4 * sum(_numel(s) for _, s in tensors)
-    inputs = {(p.rsplit(".", 1)[0], s[-1], s[0] if len(s) == 3 else 1) for p, s in tensors}
+    inputs = Counter((p.rsplit(".", 1)[0], s[-1], s[0] if len(s) == 3 else 1) for p, s in tensors)
     grams = 4 * sum(banks * k * k for _, k, banks in inputs)
-    widest = max((s[-1] for _, s in tensors), default=0)
-    return weights + grams + (2 * 4 * widest**2 if method == "gptq" else 0)
+    shared = max((banks * k * k for (_, k, banks), n in inputs.items() if n > 1 or banks > 1), default=0)
+    return weights + grams + (4 * shared if method == "gptq" else 0)
 
 
 KL_STATE = 9  # perturbed copies of the importance rows carried for the KL scale (KL_SAMPLE_LAYERS) and the lookup
