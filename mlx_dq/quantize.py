@@ -232,7 +232,7 @@ def _quantize_one(w: mx.array, option: QuantOption, gram: Any, how: StreamOption
                   ) -> tuple[QuantizedTensor, RowSplitCodes | None]:
     """One tensor with its planned option; a table with frequent-token rows ``split`` (ids, hot option): the
     other rows with ``option`` and the hot ones with theirs, one block of rows at a time (no copy of the table).
-    ``factor_cache``: holds the Hessian factor of a consumed Gram (see :func:`_consume_own_gram`)."""
+    ``factor_cache``: holds the Hessian factor of a consumed Gram (see :func:`_can_consume`)."""
     kw = dict(method=how.method, clip=how.clip, damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype,
               factor_cache={} if factor_cache is None else factor_cache)
     if split is None:
