@@ -90,11 +90,17 @@ def damped_hessian(gram: np.ndarray, damp: float, copy: bool = True) -> tuple[np
         raise ValueError(f"damp must be >= 0, got {damp}")
     h = np.array(gram, dtype=np.float32, copy=copy)
     diag = np.einsum("bii->bi", h)  # writable view of every diagonal
-    dead = diag <= 0
-    diag[dead] = 1.0
-    lam = damp * diag.mean(axis=-1, keepdims=True)
-    diag += lam
+    diag[:], lam = _damped_diagonal(diag, damp)
     return h, float(lam.max()) if lam.size else 0.0
+
+
+def _damped_diagonal(diag: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
+    """``diag`` ([B, k] float32) with dead channels (<= 0) set to 1 and ``damp`` times each row's mean added, and
+    what was added per row ([B, 1])."""
+    out = np.where(diag <= 0, np.float32(1.0), diag).astype(np.float32)
+    lam = np.float32(damp) * out.mean(axis=-1, keepdims=True, dtype=np.float32)
+    out += lam
+    return out, lam
 
 
 def _reversed_damped(a: np.ndarray, g: np.ndarray, rev: np.ndarray, diag: np.ndarray) -> None:
@@ -200,10 +206,8 @@ def factor_hessian(gram: np.ndarray | mx.array, sequence: np.ndarray, damp: floa
     rev = seq[::-1].copy()
     if damp < 0:
         raise ValueError(f"damp must be >= 0, got {damp}")
-    before = np.einsum("bii->bi", g)[:, rev].astype(np.float32)  # damped exactly as damped_hessian does
-    diag = np.where(before <= 0, np.float32(1.0), before)
-    lam = np.float32(damp) * diag.mean(axis=-1, keepdims=True, dtype=np.float32)
-    diag += lam
+    before = np.einsum("bii->bi", g)[:, rev].astype(np.float32)
+    diag, lam = _damped_diagonal(before, damp)
     into = (gram[None] if gram.ndim == 2 else gram) if consume else None
     upper, extra = _inverse_cholesky(g, rev, diag, into=into)
     added = (diag.astype(np.float64) - before)[:, ::-1]
@@ -218,10 +222,17 @@ class FactoredGram:
 
     shape: tuple[int, ...]  # [1, k, k]: one bank, as GPTQ sees a Gram
     diag: np.ndarray  # [Bg, k] float32
+    order: np.ndarray  # the channels by energy (act order), the sequence its factor was made for
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+
+def can_consume(gram: object) -> bool:
+    """Whether :func:`consume_gram` can take ``gram``: an MLX float32 ``[k, k]`` array (the caller also knows that
+    nothing else will read it)."""
+    return isinstance(gram, mx.array) and gram.ndim == 2 and gram.dtype == mx.float32
 
 
 def consume_gram(gram: mx.array, factor_cache: dict, damp: float = DEFAULT_DAMP) -> FactoredGram:
@@ -237,7 +248,7 @@ def consume_gram(gram: mx.array, factor_cache: dict, damp: float = DEFAULT_DAMP)
     seq = energy_order(k, gram)
     key = _factor_key(damp, 1, seq)
     factor_cache[key] = factor_hessian(gram, seq, damp, consume=True)
-    return FactoredGram((1, k, k), diag)
+    return FactoredGram((1, k, k), diag, seq)
 
 
 def _factor_key(damp: float, banks: int, seq: np.ndarray) -> tuple:
@@ -784,7 +795,7 @@ def gptq_quantize_many(
         wnp = np.broadcast_to(wnp, (len(options),) + wnp.shape[1:])
 
     mixed = options[0].is_mixed
-    energy = energy_order(in_f, g3) if factored is None else np.argsort(-factored.diag.sum(0), kind="stable")
+    energy = energy_order(in_f, g3) if factored is None else factored.order
     if mixed:  # the processing order is also the segment assignment and the stored permutation
         order, process, static = (np.arange(in_f) if natural_order else energy), None, False
     elif act_order:

@@ -129,12 +129,12 @@ def lower_inverse_in_place(m: mx.array, block: int = 0) -> None:
         j1 = min(j0 + block, k)
         dinv = _small_lower_inverse(a[j0:j1, j0:j1])
         if j1 < k:
-            l21 = mx.contiguous(m[j1:, j0:j1])
+            l21, dinv_mx = mx.contiguous(m[j1:, j0:j1]), mx.array(dinv)
             mx.eval(l21)
             step = _rows_per_chunk(k - j1)
             for i0 in range(j1, k, step):  # rows of inv(L22) are lower triangular: columns j1..i1 only
                 i1 = min(i0 + step, k)
-                x = -((m[i0:i1, j1:i1] @ l21[:i1 - j1]) @ mx.array(dinv))
+                x = -((m[i0:i1, j1:i1] @ l21[:i1 - j1]) @ dinv_mx)
                 mx.eval(x)
                 a[i0:i1, j0:j1] = np.asarray(x)
                 del x

@@ -106,7 +106,7 @@ from .measurement import Measurement, TensorRecord, load_measurement, save_measu
 from .options import QuantOption
 from .grids import load_grid
 from .names import layer_index, role_of
-from .gptq import FactoredGram, consume_gram
+from .gptq import FactoredGram, can_consume, consume_gram
 from .quant import exact_sums, output_error, quantize_weight, relative_error
 from .quantize import (METHODS, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
                        quantize_tensor, row_blocks, tensor_work)
@@ -405,8 +405,7 @@ def _consumed(stats: InputStats, meter: "_ErrorMeter", fitting: list[QuantOption
     through a tensor's options (822 MB each at Llama-3-8B's ``down_proj``, 3.3 GB at 70B's)."""
     gram = stats.gram
     kept_ok = kept is None or set(kept) <= {o.desc for o in fitting}
-    if not (method == "gptq" and energy is not None and isinstance(gram, mx.array) and gram.ndim == 2
-            and gram.dtype == mx.float32 and meter.w.ndim == 2 and kept_ok):
+    if not (method == "gptq" and energy is not None and can_consume(gram) and meter.w.ndim == 2 and kept_ok):
         return gram
     stats.gram = meter.g = consume_gram(gram, factors)
     return stats.gram

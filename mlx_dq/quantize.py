@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 from tqdm import tqdm
 
 from . import distributed as dist
-from .gptq import DEFAULT_DAMP, batch_key, consume_gram, gptq_quantize, gptq_quantize_many
+from .gptq import DEFAULT_DAMP, batch_key, can_consume, consume_gram, gptq_quantize, gptq_quantize_many
 from .options import QuantOption
 from .quant import QuantizedTensor, promote_to_uniform, quantize_weight
 from .rowsplit import RowSplitCodes
@@ -279,8 +279,7 @@ def _can_consume(w: mx.array, option: QuantOption, st: Any, how: StreamOptions, 
     tensor is quantized (822 MB at Llama-3-8B's 14,336-channel ``down_proj`` input)."""
     gram = None if st is None else st.gram
     return (how.method == "gptq" and not option.keep16 and not (how.promote_mixed and option.is_mixed)
-            and split is None and energy is not None and w.ndim == 2 and isinstance(gram, mx.array)
-            and gram.ndim == 2 and gram.dtype == mx.float32 and len(st.group) <= 1)
+            and split is None and energy is not None and w.ndim == 2 and can_consume(gram) and len(st.group) <= 1)
 
 
 def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
