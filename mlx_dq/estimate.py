@@ -204,7 +204,8 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                 macs += full * imp * vocab * hidden * (1 + recompute)  # each full option's KL (+ recomputed refs)
             head_extra = cached
     f = flops or matmul_flops()
-    other_f32 = _outside_bytes(other)
+    held = _held_bytes(source)
+    other_f32 = _outside_bytes(other, held[1])
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
@@ -212,7 +213,8 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     if kl_scale and one_block:  # a head of one row block: its KL swaps in a whole dequantized float32 copy
         head_extra += 4 * max(one_block)
     peak = BASE_RSS + states + (CLIP_SEARCH_BYTES if method == "gptq" else 0) \
-        + _stage_peak(layers, other, biggest_layer, other_f32 + logits + head_extra, method)  # RTN: options per Gram block
+        + _stage_peak(layers, other, biggest_layer, other_f32 + logits + head_extra, method,
+                      held[0])  # RTN: options per Gram block
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON
     seconds = TIME_FACTOR * 2 * macs / f + FIXED_S + OPTION_S.get(method, 0.3) * n_meas
     return Estimate("measure", macs=macs, measurements=n_meas, seconds=seconds, peak_bytes=peak,
@@ -220,29 +222,40 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                     detail={"layers": len(layers), "tokens": tokens, "vocab": vocab, "largest_tensor": largest})
 
 
-def _outside_bytes(other: list) -> int:
-    """Bytes of the tensors outside the layers held at once: the largest in float32 with its 16-bit copy while it
-    loads (an untied embedding and its head are loaded, measured and released one after the other)."""
-    return 6 * max([_numel(s) for _, s in other] + [0])
+def _outside_bytes(other: list, per_weight: int = 6) -> int:
+    """Bytes of the tensors outside the layers held at once: the largest in float32, ``per_weight`` bytes a weight
+    while it loads (an untied embedding and its head are loaded, measured and released one after the other)."""
+    return per_weight * max([_numel(s) for _, s in other] + [0])
 
 
-def _stage_peak(layers: list, other: list, biggest_layer: int, outside_bytes: int, method: str = "gptq") -> int:
+def _held_bytes(source: Any) -> tuple[int, int]:
+    """Bytes a weight holds: in a decoder layer (its 16-bit source dtype kept) and in the largest outside table while
+    it loads (float32, read by rows from 16-bit safetensors; with its whole source copy beside it from GGUF)."""
+    dtypes = source.stored_dtypes() if hasattr(source, "stored_dtypes") else None
+    if not dtypes:
+        return 4, 6
+    half = dtypes <= {"float16", "bfloat16"}
+    return (2 if half else 4), (4 if half or dtypes == {"float32"} else 6)
+
+
+def _stage_peak(layers: list, other: list, biggest_layer: int, outside_bytes: int, method: str = "gptq",
+                weight_bytes: int = 4) -> int:
     """Bytes of the larger stage: a decoder layer (the embedding and head released) or the embedding/head stage."""
     def block(shapes: list) -> int:
         return QUANT_COPIES * 4 * max([_block_numel(s) for _, s in shapes] + [0])
 
-    layer_stage = max([_layer_bytes(t, method) + block(t) for t in layers] + [2 * 4 * biggest_layer])
+    layer_stage = max([_layer_bytes(t, method, weight_bytes) + block(t) for t in layers] + [2 * 4 * biggest_layer])
     return max(layer_stage, outside_bytes + block(other))
 
 
-def _layer_bytes(tensors: list, method: str) -> int:
-    """One decoder layer's float32 weights, the Grams of its inputs (the tensors of one block with one input width
+def _layer_bytes(tensors: list, method: str, weight_bytes: int = 4) -> int:
+    """One decoder layer's weights (``weight_bytes`` each), the Grams of its inputs (the tensors of one block with one input width
     share one: q/k/v, gate/up) and, for GPTQ, the factor of the widest shared input (one ``k x k`` buffer beside
     its Gram; a tensor's own Gram becomes its factor in place, :func:`mlx_dq.gptq.consume_gram`).
 
     Why the Grams: at Llama-3-70B shapes the 28,672-channel ``down_proj`` input's Gram is 3.3 GB, about the
     layer's weights."""
-    weights = 4 * sum(_numel(s) for _, s in tensors)
+    weights = weight_bytes * sum(_numel(s) for _, s in tensors)
     inputs = Counter((p.rsplit(".", 1)[0], s[-1], s[0] if len(s) == 3 else 1) for p, s in tensors)
     grams = 4 * sum(banks * k * k for _, k, banks in inputs)
     shared = max((banks * k * k for (_, k, banks), n in inputs.items() if n > 1 or banks > 1), default=0)
@@ -287,8 +300,10 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         measurement_bytes = JSON_BYTES_PER_OPTION * n_opts
     disk = quant_params * bits / 8 + (total_params - quant_params) * 2 + _side_bytes(source) \
         + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
+    held = _held_bytes(source)
     peak = BASE_RSS + 4 * tokens * hidden * 2 + CLIP_SEARCH_BYTES \
-        + _stage_peak(layers, other, biggest_layer, _outside_bytes(other) + 4 * 128 * vocab * 2, method)
+        + _stage_peak(layers, other, biggest_layer, _outside_bytes(other, held[1]) + 4 * 128 * vocab * 2, method,
+                      held[0])
     if meas is not None:
         peak = max(peak, meas.peak_bytes)
     est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,

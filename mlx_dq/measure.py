@@ -107,8 +107,8 @@ from .options import QuantOption
 from .grids import load_grid
 from .names import layer_index, role_of
 from .gptq import FactoredGram, can_consume, consume_gram
-from .quant import exact_sums, output_error, quantize_weight, relative_error
-from .quantize import (METHODS, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
+from .quant import QuantizedTensor, exact_sums, output_error, quantize_weight, relative_error
+from .quantize import (METHODS, join_rows, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
                        quantize_tensor, row_blocks, tensor_work)
 from .safety import check_finite_weight
 from .threads import thread_map
@@ -338,9 +338,9 @@ def measure_tensor(
     ``stats`` holds the Gram matrix of the tensor's inputs (a linear layer or tied head); ``lookup`` the token
     counts of an embedding used as a lookup table. ``method`` is the converter's quantizer ("gptq": error
     compensation against the Gram matrix, so the errors are the ones conversion produces; "rtn": rounding, plus
-    the clip search when ``clip``). When ``kept`` is a dict whose keys name options, their dequantized weights are
-    stored in it; ``damage_fn(wq)`` when given measures each option's end-to-end damage. ``progress``: a bar over
-    the options. ``only`` (option descriptions) measures just those (one rank's share). ``sample_rows > 0``
+    the clip search when ``clip``). When ``kept`` is a dict whose keys name options, their quantized tensors are
+    stored in it (:meth:`~mlx_dq.quant.QuantizedTensor.stored`); ``damage_fn(wq)`` when given measures each
+    option's end-to-end damage. ``progress``: a bar over the options. ``only`` (option descriptions) measures just those (one rank's share). ``sample_rows > 0``
     measures a linear layer's options on a seeded random subset of that many output rows (see
     :func:`output_row_sample`); options in ``kept`` are still quantized on every row. ``timings`` (a dict)
     receives each measured option's wall seconds, which balance the work of later layers over ranks.
@@ -370,8 +370,8 @@ def measure_tensor(
         t_opt = time.perf_counter()
         damage = None
         if meter.blocks is not None:  # a large tensor: quantized, metered and its damage taken block by block
-            wq, err, werr, clip_stats, damage = _measure_in_blocks(w, opt, gram, meter, method, clip, factors,
-                                                                   damage_fn, keep=opt in in_kept)
+            wq, qt, err, werr, clip_stats, damage = _measure_in_blocks(w, opt, gram, meter, method, clip, factors,
+                                                                       damage_fn, keep=opt in in_kept)
         else:
             if opt in in_kept:  # every row, a block of rows at a time; dequantized in the scales' dtype (exact)
                 qt = quantize_rows(w_full, opt, gram, method=method, clip=clip, factor_cache=factors)
@@ -387,7 +387,7 @@ def measure_tensor(
         damage = damage_fn(wq) if damage_fn is not None and damage is None else damage
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)
         if opt in in_kept:
-            kept[opt.desc] = compact_weight(wq)
+            kept[opt.desc] = qt.stored()
         if timings is not None:
             timings[opt.desc] = time.perf_counter() - t_opt
     if rows_idx is not None:
@@ -411,17 +411,6 @@ def _consumed(stats: InputStats, meter: "_ErrorMeter", fitting: list[QuantOption
     return stats.gram
 
 
-def compact_weight(wq: mx.array) -> mx.array:
-    """``wq`` in float16 when that holds it exactly (a dequantized weight with fp16 scales does), else as is.
-
-    Why: a layer's reference weights wait for the importance pass; at Llama-3-8B shapes they are
-    872 MB in float32."""
-    if wq.dtype != mx.float32:
-        return wq
-    half = wq.astype(mx.float16)
-    return half if mx.array_equal(half.astype(mx.float32), wq).item() else wq
-
-
 def looked_up_rows(counts: np.ndarray) -> tuple[mx.array, None] | None:
     """The rows of a lookup table that the calibration tokens use, when not all of them: the lookup error is
     theirs alone (a row never looked up has weight 0), so its options are quantized and metered on those rows
@@ -441,19 +430,20 @@ def _input_facts(key: str, stats: InputStats | None, lookup: InputStats | None) 
 
 def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, meter: _ErrorMeter, method: str,
                        clip: bool, factors: dict, damage: Any = None, keep: bool = False
-                       ) -> tuple[mx.array | None, float, float, dict, float | None]:
+                       ) -> tuple[mx.array | None, QuantizedTensor | None, float, float, dict, float | None]:
     """One option of a large tensor, quantized and metered per block of output rows (see :func:`row_blocks`).
 
-    Returns the dequantized weight (assembled in one preallocated float32 array, only when
-    ``keep`` or when ``damage`` needs the whole weight), the errors, the clip statistics and
-    the damage when ``damage`` has a ``blocks()`` accumulator (see :meth:`_HeadKL.damage_fn`).
+    Returns the dequantized weight (assembled in one preallocated float32 array, only when ``damage`` needs
+    the whole weight), the whole quantized tensor (its blocks joined, only when ``keep``), the errors, the
+    clip statistics and the damage when ``damage`` has a ``blocks()`` accumulator (see :meth:`_HeadKL.damage_fn`).
     The codes of every row are those of the one-piece quantizer (rows are independent); error
     sums and the clip improvement add the blocks' float32 sums in double precision, so they
     equal the one-piece figures to float rounding.
     """
     shape = tuple(int(d) for d in w.shape)
     acc = damage.blocks() if hasattr(damage, "blocks") else None
-    wq_all = mx.zeros(shape, dtype=mx.float32) if keep or (damage is not None and acc is None) else None
+    wq_all = mx.zeros(shape, dtype=mx.float32) if damage is not None and acc is None else None
+    kept: list[QuantizedTensor] = []
     onum = wnum = base = best = 0.0
     clipped, have = 0, set()
     for i, sl in enumerate(meter.blocks):
@@ -474,6 +464,9 @@ def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, met
             mx.eval(wq_all)
         if acc is not None:
             acc.add(i, sl, wq)
+        if keep:
+            mx.eval(*[a for p in qt.parts for a in p])
+            kept.append(qt.stored())
         del qt, wq
     err, werr = meter.result(onum, wnum)
     stats = {}
@@ -481,7 +474,7 @@ def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, met
         stats["clipped_fraction"] = clipped / float(np.prod(shape))
     if "clip_improvement" in have:
         stats["clip_improvement"] = 1.0 - best / base if base > 0 else 0.0
-    return wq_all, err, werr, stats, acc.value() if acc is not None else None
+    return wq_all, join_rows(kept) if keep else None, err, werr, stats, acc.value() if acc is not None else None
 
 
 # --------------------------------------------------------------------------
@@ -535,7 +528,7 @@ def residual_importance(
     h: mx.array,
     call: tuple[tuple, dict],
     mods: dict[str, nn.Module],
-    refs: dict[str, mx.array],
+    refs: dict[str, QuantizedTensor],
     expert_mode: str = "per_expert",
 ) -> dict[str, dict[str, float]]:
     """Per tensor: squared change of ``layer``'s output when only it uses ``refs[path]``, relative to the output.
@@ -552,10 +545,10 @@ def residual_importance(
         col.flush()
     energy = robust_energy(ref)
     out = {}
-    for path, wq in refs.items():
+    for path, ref_qt in refs.items():
         mod = mods[path]
         w = mod.weight
-        mod.weight = wq = wq.astype(w.dtype)
+        mod.weight = wq = ref_qt.dequantize(mx.float32)  # not the layer's dtype: a bfloat16 layer would round it
         try:
             y = layer(h, *args, **kwargs)
             damage = exact_sums((y - ref) ** 2)[0] / energy
@@ -576,13 +569,13 @@ def input_error(w: mx.array, wq: mx.array, x: mx.array) -> float:
 
 
 def _perturbed_output(layer: nn.Module, h: mx.array, call: tuple[tuple, dict], mods: dict[str, nn.Module],
-                      refs: dict[str, mx.array]) -> mx.array:
+                      refs: dict[str, QuantizedTensor]) -> mx.array:
     """``layer``'s output on ``h`` with every tensor in ``refs`` quantized at once (weights restored after)."""
     args, kwargs = call
     saved = {p: mods[p].weight for p in refs}
     try:
-        for p, wq in refs.items():
-            mods[p].weight = wq.astype(saved[p].dtype)
+        for p, ref_qt in refs.items():
+            mods[p].weight = ref_qt.dequantize(mx.float32)
         y = layer(h, *args, **kwargs).astype(mx.float32)
         mx.eval(y)
     finally:
@@ -1102,8 +1095,8 @@ def _measure_options(run: _Run, mods: dict[str, nn.Module], col: GramCollector) 
         elif s.importance == "residual":
             if kept[ref.desc] is None:  # the reference is not one of the grid's options
                 gram = col.stats[path].gram
-                kept[ref.desc] = compact_weight(quantize_weight(
-                    mod.weight, ref, gram=gram.sum(0) if gram.ndim == 3 else gram, clip=run.clip).dequantize(mx.float32))
+                kept[ref.desc] = quantize_weight(
+                    mod.weight, ref, gram=gram.sum(0) if gram.ndim == 3 else gram, clip=run.clip).stored()
             refs[path] = kept[ref.desc]
             rec.extra["importance_ref"] = ref.desc
     return records, refs, owner, timings

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -125,12 +125,7 @@ def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, ro
         seconds += st.get("seconds", 0.0)
         mx.eval(*[a for p in qt.parts for a in p])
         parts.append(qt)
-    out = parts[0]
-    out.shape = shape
-    out.parts = [tuple(mx.concatenate([q.parts[j][i] for q in parts], axis=-2) for i in range(3))
-                 for j in range(len(out.parts))]
-    known = [q.out_sq for q in parts]
-    out.out_sq = np.concatenate(known, axis=-1) if all(k is not None for k in known) else None
+    out = join_rows(parts)
     st = dict(out.stats)
     if "clipped_fraction" in st:
         st["clipped_fraction"] = count / float(math.prod(out.shape))
@@ -141,6 +136,19 @@ def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, ro
     if "extra_damp" in st:
         st["extra_damp"] = max(q.stats["extra_damp"] for q in parts)
     out.stats = st
+    return out
+
+
+def join_rows(blocks: Sequence[QuantizedTensor]) -> QuantizedTensor:
+    """One tensor from the quantized blocks of output rows of one weight (in order): their codes, scales, biases
+    and known row errors joined; the first block's option, order and stats."""
+    out = replace(blocks[0], shape=blocks[0].shape[:-2] + (sum(q.shape[-2] for q in blocks), blocks[0].shape[-1]))
+    out.parts = [tuple(mx.concatenate([q.parts[j][i] for q in blocks], axis=-2) for i in range(3))
+                 for j in range(len(out.parts))]
+    if out.fp is not None:
+        out.fp = mx.concatenate([q.fp for q in blocks], axis=-2)
+    known = [q.out_sq for q in blocks]
+    out.out_sq = np.concatenate(known, axis=-1) if all(k is not None for k in known) else None
     return out
 
 

@@ -12,7 +12,7 @@ plus the calibration rows' hidden states, independent of depth.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +22,7 @@ from . import distributed as dist
 from .capture import GramCollector, iter_batches, quantizable_modules
 from .names import layer_index
 
+HALF_DTYPES = (mx.float16, mx.bfloat16)
 HEAD_CHUNK = 128  # positions per head call: logits are [chunk, vocab] float32, never [calibration tokens, vocab]
 
 
@@ -53,8 +54,11 @@ def layer_prefix(model: nn.Module, layers: Sequence[nn.Module]) -> str:
     raise ValueError("the model's decoder layers are not among its modules")
 
 
-def load_into(model: nn.Module, weights: dict[str, mx.array]) -> None:
-    """Load ``weights`` (full parameter paths) into ``model``, sanitizing raw names when needed."""
+def load_into(model: nn.Module, weights: dict[str, mx.array], as_stored: Collection[str] = ()) -> None:
+    """Load ``weights`` (full parameter paths) into ``model``, sanitizing raw names when needed.
+
+    Every parameter becomes float32 but those named in ``as_stored`` whose source dtype is float16 or bfloat16:
+    they stay so (float32 holds their values exactly, so a float32 input still gets float32 products)."""
     params = dict(tree_flatten(model.parameters()))
     if any(k not in params for k in weights) and hasattr(model, "sanitize"):
         weights = model.sanitize(dict(weights))
@@ -64,7 +68,8 @@ def load_into(model: nn.Module, weights: dict[str, mx.array]) -> None:
     for k, v in weights.items():  # a freed parameter (empty) was checked when first loaded
         if params[k].size and tuple(v.shape) != tuple(params[k].shape):
             raise ValueError(f"{k}: weight shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}")
-    model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=False)
+    model.load_weights([(k, v if k in as_stored and v.dtype in HALF_DTYPES else v.astype(mx.float32))
+                        for k, v in weights.items()], strict=False)
 
 
 def align_to_source(model: nn.Module, names: Sequence[str]) -> None:
@@ -235,9 +240,15 @@ class LayerRunner:
         return self.share.join([f for b, f in enumerate(firsts) if self.share.runs(b)])
 
     def load(self, i: int) -> dict[str, nn.Module]:
-        """Load decoder layer ``i``'s weights; return its quantizable modules by full path."""
-        load_into(self.net, dict(self.source.layer_weights(i)))
-        return quantizable_modules(self.layers[i], prefix=f"{self.prefix}{i}.")
+        """Load decoder layer ``i``'s weights; return its quantizable modules by full path.
+
+        The weights of its linear layers and expert banks stay in their 16-bit source dtype (the rest in float32);
+        the quantizers read them a block of rows at a time in float32. Why: half the layer's memory between uses
+        (0.44 GB at Llama-3-8B, 1.7 GB at Llama-3-70B)."""
+        mods = quantizable_modules(self.layers[i], prefix=f"{self.prefix}{i}.")
+        stored = {f"{p}.weight" for p, m in mods.items() if not isinstance(m, nn.Embedding)}
+        load_into(self.net, dict(self.source.layer_weights(i, stored)), as_stored=stored)
+        return mods
 
     def forward(self, i: int, hidden: Any, col: GramCollector | None = None) -> Any:
         """Layer ``i``'s float32 output on ``hidden`` (this rank's batches); ``col`` collects its inputs (all ranks' sums)."""

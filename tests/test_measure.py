@@ -505,15 +505,29 @@ def test_head_options_predicted_from_anchors_on_a_row_sample(tmp_path, grid_file
     assert by_bits[0].damage > by_bits[-1].damage
 
 
-def test_reference_weights_wait_in_float16_only_when_exact():
-    """A dequantized weight (fp16 scales) is held in float16 for the importance pass; anything else stays float32."""
-    from mlx_dq.measure import compact_weight
+@pytest.mark.parametrize("block_rows", [0, 70])
+def test_reference_weights_wait_at_their_stored_size(block_rows, monkeypatch):
+    """The importance pass's reference waits as its codes, scales and biases (a 3-bit g64 weight: under a quarter of
+    float16's bytes), whole rows joined when measured in blocks, and dequantizes to the weight quantized in one piece."""
+    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.capture import InputStats
+    from mlx_dq.measure import measure_tensor
 
-    w = mx.random.normal((64, 128), key=mx.random.key(0))
-    wq = quantize_weight(w, QuantOption.parse("1.0:4b_64g")).dequantize(mx.float32)
-    half = compact_weight(wq)
-    assert half.dtype == mx.float16 and mx.array_equal(half.astype(mx.float32), wq).item()
-    assert compact_weight(w).dtype == mx.float32  # random float32 values do not fit float16 exactly
+    rng = np.random.default_rng(3)
+    w = mx.array(rng.standard_normal((300, 128)).astype("float32"))
+    x = rng.standard_normal((256, 128)).astype("float32")
+    gram = mx.array(x.T @ x)
+    ref = QuantOption.parse("1.0:3b_64g")
+    whole = quantize_weight(w, ref, gram=gram).dequantize(mx.float32)
+    if block_rows:
+        monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * 128 * block_rows)
+    kept = {ref.desc: None}
+    measure_tensor("t", w, [ref, QuantOption.parse("1.0:4b_64g")], InputStats(gram=gram, rows=256), "default",
+                   kept=kept)
+    qt = kept[ref.desc]
+    assert qt.out_sq is None and not qt.stats and qt.shape == (300, 128)
+    assert qt.nbytes() < 0.25 * w.size * 2
+    assert mx.array_equal(qt.dequantize(mx.float32), whole).item()
 
 
 def test_collector_release_drops_the_grams():

@@ -57,6 +57,37 @@ def test_sharded_folder_equals_single_file(tmp_path):
     np.testing.assert_allclose(np.array(model(_ids(tok))), np.array(ref(_ids(ref_tok))), atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_large_16bit_tensors_are_read_into_float32_by_rows(dtype, tmp_path, monkeypatch):
+    """A large 2-D 16-bit tensor goes into float32 a block of rows at a time (no whole 16-bit copy beside it), with
+    the values a plain cast gives, sharded or not; ``as_stored`` names keep their 16-bit dtype."""
+    from mlx_dq import sources as sources_mod
+
+    read: list[str] = []
+    orig = sources_mod._SafetensorsWeights.float32_by_rows
+    def by_rows(self, key):
+        out = orig(self, key)
+        if out is not None:
+            read.append(key)
+        return out
+
+    monkeypatch.setattr(sources_mod._SafetensorsWeights, "float32_by_rows", by_rows)
+    monkeypatch.setattr(sources_mod, "ROWS_READ_BYTES", 2 * 128 * 7)  # 7 rows of 128 channels at a time
+    for shards in (1, 2):
+        folder = make_tiny_model_folder(tmp_path, "llama", 1, seed=4, dtype=dtype, shards=shards, tie=False)
+        src = resolve(str(folder))
+        names = src.weight_names()
+        q = "model.layers.0.self_attn.q_proj.weight"
+        got = src.load_weights(names, as_stored={q})
+        raw = {k: v for f in folder.glob("*.safetensors") for k, v in mx.load(str(f)).items()}
+        assert got[q].dtype == dtype and mx.array_equal(got[q], raw[q]).item()
+        for k in names:
+            if k != q:
+                assert got[k].dtype == mx.float32 and mx.array_equal(got[k], raw[k].astype(mx.float32)).item(), k
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight"} <= set(read)
+    assert q not in read and not any(k.endswith("norm.weight") for k in read)  # 1-D: read whole
+
+
 def test_moe_layer_weights_are_stacked_like_mlx_lm(tiny_qwen3_moe):
     src = resolve(str(tiny_qwen3_moe))
     ref, _ = mlx_lm_load(str(tiny_qwen3_moe))
