@@ -379,7 +379,7 @@ def measure_tensor(
                 t_q = time.perf_counter()
                 qt, share = quantized(opt)
                 t_opt += (time.perf_counter() - t_q) - share  # this option's share of a batch's time
-            wq = qt.dequantize(qt.parts[0][1].dtype if opt in in_kept and qt.fp is None else mx.float32)
+            wq = qt.dequantize(qt.dtype if opt in in_kept else mx.float32)
             picked = rows_idx is not None and opt in in_kept
             known = qt.out_sq if qt.out_sq is None or not picked else qt.out_sq[..., np.asarray(rows_idx)]
             err, werr = meter(wq[rows_idx] if picked else wq, known)
@@ -548,7 +548,7 @@ def residual_importance(
     for path, ref_qt in refs.items():
         mod = mods[path]
         w = mod.weight
-        mod.weight = wq = ref_qt.dequantize(mx.float32)  # not the layer's dtype: a bfloat16 layer would round it
+        mod.weight = wq = ref_qt.dequantize(ref_qt.dtype)  # exact, not the layer's dtype (bfloat16 would round it)
         try:
             y = layer(h, *args, **kwargs)
             damage = exact_sums((y - ref) ** 2)[0] / energy
@@ -575,7 +575,7 @@ def _perturbed_output(layer: nn.Module, h: mx.array, call: tuple[tuple, dict], m
     saved = {p: mods[p].weight for p in refs}
     try:
         for p, ref_qt in refs.items():
-            mods[p].weight = ref_qt.dequantize(mx.float32)
+            mods[p].weight = ref_qt.dequantize(ref_qt.dtype)  # exact: the float32 forward promotes it
         y = layer(h, *args, **kwargs).astype(mx.float32)
         mx.eval(y)
     finally:

@@ -61,6 +61,14 @@ class QuantizedTensor:
     stats: dict = field(default_factory=dict)
     out_sq: np.ndarray | None = None
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        """The narrowest dtype that holds the dequantized weight exactly: its scales' (or its 16-bit weight's).
+
+        Why: a quantized weight swapped into a float32 forward in this dtype gives the same products (MLX
+        promotes it to float32 exactly) at half float32's memory."""
+        return self.fp.dtype if self.fp is not None else self.parts[0][1].dtype
+
     def dequantize(self, dtype: mx.Dtype = mx.float32) -> mx.array:
         """The weight the stored codes represent, ``[..., out, in]`` in original channel order."""
         if self.fp is not None:

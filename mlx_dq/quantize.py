@@ -363,7 +363,7 @@ def quantize_stream(
         del part  # with the consumer's reference gone, the float32 weights and Grams go before the rerun
         col.release()
         for path, qt in codes.items():  # one at a time: together their dequantizing temporaries doubled the peak
-            mods[path].weight = qt.dequantize(mx.float32)
+            mods[path].weight = qt.dequantize(qt.dtype)  # exact, and promoted to float32 by the forward
             mx.eval(mods[path].weight)
         if how.sequential:
             out = runner.forward(i, hidden, None)
