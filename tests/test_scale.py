@@ -895,3 +895,27 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     for x, y in zip(fa, fb):
         a, b = mx.load(str(x)), mx.load(str(y))
         assert sorted(a) == sorted(b) and all(mx.array_equal(a[k], b[k]).item() for k in a), x.name
+
+
+def test_large_gram_grows_in_its_own_buffer_in_the_one_process_order(monkeypatch):
+    """A Gram larger than GRAM_CHUNK_BYTES is added to in place, its product a block of columns at a time (no
+    second k x k array): the sums equal X^T X, the buffer is the same array throughout, and folding each batch's
+    own Gram in order (as ranks do) gives the same bits as adding every batch to one running Gram."""
+    from mlx_dq import capture
+
+    monkeypatch.setattr(capture, "GRAM_CHUNK_BYTES", 4 * 96 * 10)  # 10 columns of a 96-channel input at a time
+    rng = np.random.default_rng(7)
+    xs = [mx.array(rng.standard_normal((n, 96)).astype(np.float32)) for n in (40, 33, 50)]
+    g = None
+    for x in xs:
+        before = g
+        g = capture.add_gram(g, x)
+        assert before is None or g is before
+    whole = mx.concatenate(xs)
+    assert np.allclose(np.asarray(g), np.asarray(whole.T @ whole), rtol=1e-5, atol=1e-4)
+    folded = [capture.add_gram(None, x) for x in xs]
+    assert mx.array_equal((folded[0] + folded[1]) + folded[2], g).item()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    capture.add_gram(g, xs[0])
+    assert mx.get_peak_memory() - base < 0.5 * g.nbytes  # no second Gram-sized array
