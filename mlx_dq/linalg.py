@@ -13,6 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 BLOCK = 512  # columns factorised at a time: small diagonal blocks, large matmuls for the trailing updates
+WHOLE = 2048  # a matrix up to this size is one block (16 MiB): the per-block steps cost more than they save
+LEAF = 64  # the triangular inverse's recursion ends in blocks this small
 CHUNK_FLOATS = 1 << 24  # a trailing update's row chunk: at most this many float32 (64 MiB) at a time
 
 
@@ -34,8 +36,24 @@ def _small_cholesky(block: np.ndarray) -> np.ndarray | None:
 
 
 def _small_lower_inverse(low: np.ndarray) -> np.ndarray:
-    """Inverse of one lower triangular diagonal block, lower triangular (see :func:`_small_cholesky`)."""
-    return np.tril(np.linalg.inv(np.tril(low))).astype(np.float32)
+    """Inverse of one lower triangular diagonal block, lower triangular (see :func:`_small_cholesky`).
+
+    Recursive halves, ``inv([[A, 0], [C, B]]) = [[inv(A), 0], [-inv(B) C inv(A), inv(B)]]``, down to
+    :data:`LEAF`-sized blocks: a general inverse (LU) of the whole block did three times the work."""
+    low = np.tril(low).astype(np.float32, copy=False)
+    n = low.shape[0]
+    if n <= LEAF:
+        return np.tril(np.linalg.inv(low)).astype(np.float32)
+    h = n // 2
+    out = np.zeros((n, n), dtype=np.float32)
+    out[:h, :h] = inv_a = _small_lower_inverse(low[:h, :h])
+    out[h:, h:] = inv_b = _small_lower_inverse(low[h:, h:])
+    out[h:, :h] = -(inv_b @ (low[h:, :h] @ inv_a))
+    return out
+
+
+def _block(k: int, block: int) -> int:
+    return block or (k if k <= WHOLE else BLOCK)
 
 
 def cholesky_in_place(m: mx.array, block: int = 0) -> int:
@@ -46,7 +64,8 @@ def cholesky_in_place(m: mx.array, block: int = 0) -> int:
     partly overwritten; :func:`unfactor_in_place` multiplies it back). MLX reads ``m``'s slices at evaluation
     (each step is evaluated at once); numpy writes the results through a view of the same buffer."""
     a = np.asarray(m)
-    k, block = a.shape[0], block or BLOCK
+    k = a.shape[0]
+    block = _block(k, block)
     for j0 in range(0, k, block):
         j1 = min(j0 + block, k)
         d = _small_cholesky(a[j0:j1, j0:j1])
@@ -124,7 +143,8 @@ def lower_inverse_in_place(m: mx.array, block: int = 0) -> None:
     by nothing else) with its inverse, by blocks of columns from the last: ``X21 = -inv(L22) L21 inv(L11)`` uses the
     already inverted trailing block."""
     a = np.asarray(m)
-    k, block = a.shape[0], block or BLOCK
+    k = a.shape[0]
+    block = _block(k, block)
     for j0 in reversed(range(0, k, block)):
         j1 = min(j0 + block, k)
         dinv = _small_lower_inverse(a[j0:j1, j0:j1])

@@ -344,7 +344,7 @@ def test_factor_is_the_inverse_cholesky_in_little_memory(monkeypatch):
     assert f.u_mx is not None and np.shares_memory(np.asarray(f.u_mx), f.u)
 
 
-@pytest.mark.parametrize("k,block", [(1, 4), (7, 3), (96, 32), (130, 64)])
+@pytest.mark.parametrize("k,block", [(1, 4), (7, 3), (96, 32), (130, 64), (300, 0)])
 def test_blocked_factor_and_inverse_in_place(k, block, monkeypatch):
     """Cholesky, triangular inverse and reversal by blocks and row chunks equal float64 references, in the
     buffer they were given; a matrix that is not positive definite is refused."""
