@@ -867,14 +867,21 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     mx.save_safetensors(str(f32 / "model.safetensors"),
                         {k: v.astype(mx.float32) for k, v in mx.load(str(b16 / "model.safetensors")).items()})
     seen: dict[str, set] = {}
-    orig = LayerRunner.load
+    eager: dict[str, set] = {}  # a 16-bit layer's products are evaluated one by one (their float32 copies one at a time)
+    orig, orig_free = LayerRunner.load, LayerRunner.free
 
     def load(self, i):
         mods = orig(self, i)
         seen.setdefault(str(self.source.path), set()).update(str(m.weight.dtype) for m in mods.values())
+        eager.setdefault(str(self.source.path), set()).update("_eager_base" in type(m).__dict__ for m in mods.values())
         return mods
 
+    def free(self, i):
+        orig_free(self, i)
+        assert not any("_eager_base" in type(m).__dict__ for _, m in self.layers[i].named_modules())
+
     monkeypatch.setattr(LayerRunner, "load", load)
+    monkeypatch.setattr(LayerRunner, "free", free)
     runs = {}
     for name in ("b16", "f32"):
         folder = tmp_path / name
@@ -884,6 +891,7 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
                 progress=False)
         runs[name] = m
     assert [seen[str(tmp_path / n)] for n in ("b16", "f32")] == [{"mlx.core.bfloat16"}, {"mlx.core.float32"}]
+    assert [eager[str(tmp_path / n)] for n in ("b16", "f32")] == [{True}, {False}]
     from mlx_dq.estimate import _held_bytes
     from mlx_dq.sources import resolve
 
