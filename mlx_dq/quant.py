@@ -36,6 +36,9 @@ CLIP_RULES = ("edge", "minmax")  # MLX's edge-exact scale, plain min/max scale
 _EPS = 1e-7  # MLX's lower bound on a group's scale
 
 
+DEQUANT_BLOCK_WEIGHTS = 1 << 24  # weights dequantized at a time (large tensors, by blocks of output rows)
+
+
 @dataclass
 class QuantizedTensor:
     """One weight after quantization with ``option``.
@@ -70,7 +73,22 @@ class QuantizedTensor:
         return self.fp.dtype if self.fp is not None else self.parts[0][1].dtype
 
     def dequantize(self, dtype: mx.Dtype = mx.float32) -> mx.array:
-        """The weight the stored codes represent, ``[..., out, in]`` in original channel order."""
+        """The weight the stored codes represent, ``[..., out, in]`` in original channel order.
+
+        A tensor of more than :data:`DEQUANT_BLOCK_WEIGHTS` is dequantized a block of output rows at a time into
+        one array (rows are independent: the same values). Why: MLX's dequantization of a whole tensor held about
+        four float32 copies of it at once (3.6 GB for one of Llama-3-70B's 28,672 x 8,192 tensors)."""
+        rows = self.shape[-2] if len(self.shape) >= 2 else 1
+        step = max(1, DEQUANT_BLOCK_WEIGHTS // max(1, math.prod(self.shape) // max(rows, 1)))
+        if self.fp is not None or rows <= step:
+            return self._dequantize(dtype)
+        out = mx.zeros(self.shape, dtype=dtype)
+        for r0 in range(0, rows, step):
+            out[..., r0 : r0 + step, :] = self.rows(slice(r0, r0 + step))._dequantize(dtype)
+            mx.eval(out)  # in place: the array's only reference
+        return out
+
+    def _dequantize(self, dtype: mx.Dtype) -> mx.array:
         if self.fp is not None:
             return self.fp.astype(dtype)
         cols = [

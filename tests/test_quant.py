@@ -411,3 +411,30 @@ def test_error_sums_stay_exact_beyond_float32_running_sums():
     assert num == pytest.approx(float((d64 * d64).sum()), rel=1e-5)
     assert den == pytest.approx(float((w64 * w64).sum()), rel=1e-5)
     assert weight_error(w, wq) == pytest.approx(math.sqrt(float((d64 * d64).sum() / (w64 * w64).sum())), rel=1e-5)
+
+
+@pytest.mark.parametrize("desc", ["1.0:3b_64g", "0.25:4b_32g/0.75:3b_64g"])
+def test_large_tensors_dequantize_by_row_blocks_to_the_same_values(desc, monkeypatch):
+    """Above DEQUANT_BLOCK_WEIGHTS a tensor is dequantized a block of rows at a time into one array: the same
+    values as in one piece, for uniform and mixed (permuted) tensors, with less memory at its peak."""
+    from mlx_dq import quant as quant_mod
+
+    rng = np.random.default_rng(11)
+    w = mx.array(rng.standard_normal((200, 256)).astype(np.float32))
+    x = rng.standard_normal((300, 256)).astype(np.float32) * np.linspace(0.1, 3, 256, dtype=np.float32)
+    qt = quant_mod.quantize_weight(w, QuantOption.parse(desc), gram=mx.array(x.T @ x))
+    mx.eval([a for p in qt.parts for a in p])
+    peaks = []
+    for weights in (None, 256 * 30):  # whole; 30 rows at a time, a ragged last block
+        if weights:
+            monkeypatch.setattr(quant_mod, "DEQUANT_BLOCK_WEIGHTS", weights)
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        out = qt.dequantize(mx.float16)
+        mx.eval(out)
+        peaks.append(mx.get_peak_memory() - base)
+        if weights is None:
+            whole = out
+    assert out.dtype == mx.float16 and mx.array_equal(out, whole).item()
+    assert peaks[1] < 0.6 * peaks[0], peaks
+    assert mx.array_equal(qt.dequantize(mx.float32), whole.astype(mx.float32)).item()
