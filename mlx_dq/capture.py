@@ -191,13 +191,10 @@ class GramCollector:
             if first.kind == "bank":
                 gram, rows, per_expert = self._bank_gram(first)
                 st.expert_rows = per_expert if st.expert_rows is None else st.expert_rows + per_expert
+                st.gram = gram if st.gram is None else st.gram + gram
             else:
                 xf = first.x.reshape(-1, first.x.shape[-1]).astype(mx.float32)
                 st.gram, rows = add_gram(st.gram, xf), xf.shape[0]
-                st.rows += rows
-                touched.append(st.gram)
-                continue
-            st.gram = gram if st.gram is None else st.gram + gram
             st.rows += rows
             touched.append(st.gram)
         if touched:

@@ -12,7 +12,7 @@ plus the calibration rows' hidden states, independent of depth.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten, tree_map
 from . import distributed as dist
 from .capture import GramCollector, iter_batches, quantizable_modules
 from .names import layer_index
+from .sources import HALF_DTYPES
 
-HALF_DTYPES = (mx.float16, mx.bfloat16)
 HEAD_CHUNK = 128  # positions per head call: logits are [chunk, vocab] float32, never [calibration tokens, vocab]
 
 
@@ -73,11 +73,11 @@ def layer_prefix(model: nn.Module, layers: Sequence[nn.Module]) -> str:
     raise ValueError("the model's decoder layers are not among its modules")
 
 
-def load_into(model: nn.Module, weights: dict[str, mx.array], as_stored: Collection[str] = ()) -> None:
-    """Load ``weights`` (full parameter paths) into ``model``, sanitizing raw names when needed.
+def load_into(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Load ``weights`` (full parameter paths) into ``model`` in their dtypes, sanitizing raw names when needed.
 
-    Every parameter becomes float32 but those named in ``as_stored`` whose source dtype is float16 or bfloat16:
-    they stay so (float32 holds their values exactly, so a float32 input still gets float32 products)."""
+    The dtypes are :meth:`~mlx_dq.sources.ModelSource.load_weights`' own: float32, or a 16-bit source dtype where
+    it was asked to keep one (float32 holds its values exactly, so a float32 input still gets float32 products)."""
     params = dict(tree_flatten(model.parameters()))
     if any(k not in params for k in weights) and hasattr(model, "sanitize"):
         weights = model.sanitize(dict(weights))
@@ -87,8 +87,7 @@ def load_into(model: nn.Module, weights: dict[str, mx.array], as_stored: Collect
     for k, v in weights.items():  # a freed parameter (empty) was checked when first loaded
         if params[k].size and tuple(v.shape) != tuple(params[k].shape):
             raise ValueError(f"{k}: weight shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}")
-    model.load_weights([(k, v if k in as_stored and v.dtype in HALF_DTYPES else v.astype(mx.float32))
-                        for k, v in weights.items()], strict=False)
+    model.load_weights(list(weights.items()), strict=False)
 
 
 def align_to_source(model: nn.Module, names: Sequence[str]) -> None:
@@ -266,7 +265,7 @@ class LayerRunner:
         (0.44 GB at Llama-3-8B, 1.7 GB at Llama-3-70B)."""
         mods = quantizable_modules(self.layers[i], prefix=f"{self.prefix}{i}.")
         stored = {f"{p}.weight" for p, m in mods.items() if not isinstance(m, nn.Embedding)}
-        load_into(self.net, dict(self.source.layer_weights(i, stored)), as_stored=stored)
+        load_into(self.net, dict(self.source.layer_weights(i, stored)))
         for p, m in mods.items():
             if f"{p}.weight" in stored and m.weight.dtype in HALF_DTYPES:
                 m.__class__ = _eager_class(type(m))

@@ -64,6 +64,7 @@ class _RawWeights(Protocol):
     def float32_by_rows(self, key: str) -> mx.array | None: ...
 
 
+HALF_DTYPES = (mx.float16, mx.bfloat16)  # source dtypes a weight may be kept in (float32 holds their values exactly)
 ROWS_READ_BYTES = 64 * 2**20  # a large 2-D tensor is read into float32 this many source bytes at a time
 _FILE_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
 
@@ -244,7 +245,7 @@ class ModelSource:
         result = {}
         for n in names:
             v = out.pop(n)
-            if n in as_stored and v.dtype in (mx.float16, mx.bfloat16):
+            if n in as_stored and v.dtype in HALF_DTYPES:
                 result[n] = v
             else:
                 rows = self._raw.float32_by_rows(n) if n in as_read and v.dtype != mx.float32 else None
