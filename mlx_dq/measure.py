@@ -112,7 +112,7 @@ from .quantize import (METHODS, join_rows, option_quantizer, quantize_rows,  # n
                        quantize_tensor, row_blocks, tensor_work)
 from .safety import check_finite_weight
 from .threads import thread_map
-from .sources import resolve
+from .sources import HALF_DTYPES, resolve
 from .settings import IMPORTANCE_MODES, MeasureSettings  # noqa: F401  (IMPORTANCE_MODES re-exported)
 from .runner import (HEAD_CHUNK, LayerRunner, align_to_source, free_module, free_table, head_logits,  # noqa: F401
                      layer_prefix, load_into, position_chunks, probe_layers, record_head_inputs)
@@ -633,6 +633,12 @@ class _LookupBlocks:
         return self.head.value() + self.parts[-1]
 
 
+def _swap_dtype(w: mx.array) -> mx.Dtype:
+    """The dtype a quantized stand-in for ``w`` takes in the head: a 16-bit head's is float32 (its values are not
+    16-bit numbers), the product being float32 anyway."""
+    return mx.float32 if w.dtype in HALF_DTYPES else w.dtype
+
+
 class _HeadKL:
     """End-to-end KL from the final hidden states of the importance rows: for carried perturbations and head options.
 
@@ -706,7 +712,7 @@ class _HeadKL:
         """
 
         def fn(wq: mx.array) -> float:
-            return self.kl(self.hidden, swap=(mod, wq.astype(mod.weight.dtype)))
+            return self.kl(self.hidden, swap=(mod, wq.astype(_swap_dtype(mod.weight))))
 
         fn.blocks = lambda: _HeadBlockKL(self, mod)  # type: ignore[attr-defined]
         return fn
@@ -735,8 +741,8 @@ class _HeadBlockKL:
     def add(self, i: int, sl: slice, wq: mx.array) -> None:
         """Account for vocabulary rows ``sl`` (row block ``i``) quantized to ``wq``."""
         w, h = self.mod.weight, self.head
-        n = int(wq.shape[0])
-        self.mod.weight = mx.concatenate([w[sl], wq.astype(w.dtype)])
+        n, dt = int(wq.shape[0]), _swap_dtype(w)
+        self.mod.weight = mx.concatenate([w[sl].astype(dt), wq.astype(dt)])
         try:
             for c, (r, psl) in enumerate(h.chunks):
                 logits = head_logits(h.model, self.zeros[r:r + 1, psl], h.hidden[r:r + 1, psl])

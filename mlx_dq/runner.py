@@ -46,23 +46,58 @@ def _patched_calls(modules: Sequence[nn.Module], make: Callable[[int, type], Cal
             m.__class__ = cls
 
 
-_EAGER: dict[type, type] = {}
+HALF_BLOCK_BYTES = 64 << 20  # float32 bytes of a 16-bit weight's rows widened at once for a product
+HALF_BLOCK_ALIGN = 64  # rows per block a multiple of this: BLAS kernels then sum each output as in the whole product
+_HALF: dict[tuple[type, bool], type] = {}
 
 
-def _eager_class(cls: type) -> type:
-    """A subclass of ``cls`` whose calls evaluate their output at once.
+def half_linear(mod: nn.Module, x: mx.array) -> mx.array | None:
+    """``mod(x)`` for an ``nn.Linear`` whose weight is 16-bit and larger than :data:`HALF_BLOCK_BYTES` in float32,
+    the product taken a block of output rows at a time (lazy); None when ``mod`` is not such a layer.
 
-    Why: a 16-bit weight meets a float32 input through a float32 copy that MLX makes when it evaluates the
+    Why: MLX widens a 16-bit weight whole to meet a float32 input (0.94 GB for a Llama-3-70B MLP weight, 1 GB for
+    Llama-3-8B's head). Each output is the same dot product; with blocks of whole kernel tiles
+    (:data:`HALF_BLOCK_ALIGN` rows, each block far above BLAS's small-matrix sizes) OpenBLAS gives the whole
+    product's values bit for bit."""
+    w = mod.get("weight") if isinstance(mod, nn.Linear) else None
+    if w is None or w.ndim != 2 or w.dtype not in HALF_DTYPES or x.dtype != mx.float32 \
+            or w.size * 4 <= HALF_BLOCK_BYTES:
+        return None
+    bias = mod.get("bias")
+    step = max(HALF_BLOCK_ALIGN, HALF_BLOCK_BYTES // (4 * int(w.shape[1])) // HALF_BLOCK_ALIGN * HALF_BLOCK_ALIGN)
+    parts = []
+    for s in range(0, int(w.shape[0]), step):
+        wb = w[s:s + step].astype(mx.float32).T
+        parts.append(x @ wb if bias is None else mx.addmm(bias[s:s + step], x, wb))
+    return mx.concatenate(parts, axis=-1)
+
+
+def half_class(cls: type, eager: bool) -> type:
+    """A subclass of ``cls`` for modules holding a 16-bit weight: large linear products go by :func:`half_linear`,
+    and with ``eager`` every call evaluates its output at once.
+
+    Why eager: a 16-bit weight meets a float32 input through a float32 copy that MLX makes when it evaluates the
     product; in a lazy layer forward the copies of every weight were alive at once (a Llama-3-8B layer on 4 x 512
-    tokens peaked 1.5 GB above its weights, 0.6 GB when each product is evaluated as it comes)."""
-    if cls not in _EAGER:
+    tokens peaked 1.5 GB above its weights, 0.6 GB when each product is evaluated as it comes). A head is not
+    eager: collecting its inputs must not evaluate its logits."""
+    if (cls, eager) not in _HALF:
+        linear = issubclass(cls, nn.Linear) and cls.__call__ is nn.Linear.__call__  # its call is the plain product
+
         def call(self, x, *args, **kwargs):
-            y = cls.__call__(self, x, *args, **kwargs)
-            mx.eval(y)
+            y = half_linear(self, x) if linear and not args and not kwargs else None
+            y = cls.__call__(self, x, *args, **kwargs) if y is None else y
+            if eager:
+                mx.eval(y)
             return y
 
-        _EAGER[cls] = type(cls.__name__, (cls,), {"__call__": call, "_eager_base": cls})
-    return _EAGER[cls]
+        _HALF[cls, eager] = type(cls.__name__, (cls,), {"__call__": call, "_half_base": cls})
+    return _HALF[cls, eager]
+
+
+def plain_class(module: nn.Module) -> None:
+    """Undo :func:`half_class` on ``module``."""
+    while "_half_base" in type(module).__dict__:
+        module.__class__ = type(module).__dict__["_half_base"]
 
 
 def layer_prefix(model: nn.Module, layers: Sequence[nn.Module]) -> str:
@@ -210,24 +245,36 @@ class LayerRunner:
         layer's output energy per channel."""
         return GramCollector(mods, self.expert_mode, output_energy=output_energy)
 
-    def load_outside(self, only: Sequence[str] | None = None, skip: Sequence[str] = ()) -> None:
+    def load_outside(self, only: Sequence[str] | None = None, skip: Sequence[str] = (), half: bool = True) -> None:
         """Load the weights outside the decoder layers (embedding, final norm, head); ``only`` / ``skip``: just the
-        modules at these paths, or all but them (so a large table can be measured while the head is not held)."""
+        modules at these paths, or all but them (so a large table can be measured while the head is not held).
+
+        With ``half``, an untied head and a table used only for lookups keep a 16-bit source dtype: the head's
+        products widen a block of its rows at a time (:func:`half_linear`) and the quantizers read rows in float32.
+        Why: in float32 the 128,256 x 4,096 head of Llama-3-8B alone is 2.1 GB, most of the bound on one layer."""
         def wanted(name: str) -> bool:
             if any(name.startswith(p + ".") for p in skip):
                 return False
             return only is None or any(name.startswith(p + ".") for p in only)
 
+        outside = self.outside_modules()
+        tables = self.lookup_tables()
+        halves = [p for p, m in outside.items() if half and (p in tables or isinstance(m, nn.Linear))]
         load_into(self.net, self.source.load_weights(
-            n for n in self.source.weight_names() if layer_index(n) is None and wanted(n)))
+            (n for n in self.source.weight_names() if layer_index(n) is None and wanted(n)),
+            as_stored={f"{p}.weight" for p in halves}))
+        for p in halves:
+            if wanted(f"{p}.weight") and outside[p].weight.dtype in HALF_DTYPES:
+                outside[p].__class__ = half_class(type(outside[p]), eager=False)
 
     def load_for_probe(self) -> None:
         """Load what embedding the rows needs: the weights outside the decoder layers but an untied head.
 
         Why: :meth:`probe` stops at the decoder layers, so a head beside its own embedding is never used
-        there; at Llama-3-8B's 128,256 x 4,096 it is 2.1 GB in float32 (and its 16-bit copy while loading)."""
+        there; at Llama-3-8B's 128,256 x 4,096 it is 2.1 GB in float32 (and its 16-bit copy while loading). The
+        table is float32 there: the rows it embeds are the layers' float32 inputs."""
         tables = self.lookup_tables()
-        self.load_outside(skip=[p for p in self.outside_modules() if p not in tables] if tables else ())
+        self.load_outside(skip=[p for p in self.outside_modules() if p not in tables] if tables else (), half=False)
 
     def free_outside(self) -> None:
         """Release the embedding and head (``load_outside`` brings them back): the decoder layers never use them.
@@ -235,6 +282,7 @@ class LayerRunner:
         Why: in float32 they are most of a large-vocabulary model's memory outside one layer (4.2 GB at
         Llama-3-8B's 128,256 x 4,096), held through every layer for nothing."""
         for mod in self.outside_modules().values():
+            plain_class(mod)
             free_module(mod)
 
     def probe(self, flush: Callable[[], None] | None = None) -> list[mx.array]:
@@ -268,7 +316,7 @@ class LayerRunner:
         load_into(self.net, dict(self.source.layer_weights(i, stored)))
         for p, m in mods.items():
             if f"{p}.weight" in stored and m.weight.dtype in HALF_DTYPES:
-                m.__class__ = _eager_class(type(m))
+                m.__class__ = half_class(type(m), eager=True)
         return mods
 
     def forward(self, i: int, hidden: Any, col: GramCollector | None = None) -> Any:
@@ -291,8 +339,7 @@ class LayerRunner:
     def free(self, i: int) -> None:
         """Release layer ``i``'s weights."""
         for _, m in self.layers[i].named_modules():
-            while "_eager_base" in type(m).__dict__:
-                m.__class__ = type(m).__dict__["_eager_base"]
+            plain_class(m)
         free_module(self.layers[i])
 
     def lookup_tables(self) -> list[str]:

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 import pytest
 
 from fixtures_models import random_weights, save_tokenizer, tiny_config
@@ -553,10 +554,10 @@ def test_embedding_pass_loads_no_untied_head(big_vocab, grid_file, monkeypatch, 
     seen: list[list[str]] = []
     orig_probe, orig_load = LayerRunner.probe, ModelSource.load_weights
 
-    def load_weights(self, names, *a):
+    def load_weights(self, names, *a, **k):
         names = list(names)
         read.extend(n for n in names if n.startswith(("lm_head", "model.embed_tokens")))
-        return orig_load(self, names, *a)
+        return orig_load(self, names, *a, **k)
 
     def probe(self, *a, **kw):
         seen.append(sorted(read))
@@ -850,15 +851,40 @@ def test_converter_consumes_a_tensors_own_gram_with_the_same_output(big_vocab, t
     assert ra == rb
 
 
-def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file, tmp_path, monkeypatch):
-    """A bfloat16 model's decoder layers stay in bfloat16 while they are measured and quantized (half their memory),
-    and every record and written tensor equals those of the same weights stored in float32: every step reads them
-    in float32, which holds bfloat16 values exactly."""
+@pytest.mark.parametrize("block_bytes", [None, 4 * 128 * 128])
+def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file, tmp_path, monkeypatch, block_bytes):
+    """A bfloat16 model's decoder layers, untied head and lookup table stay in bfloat16 while they are measured and
+    quantized (half their memory), and every record and written tensor equals those of the same weights stored in
+    float32: every step reads them in float32, which holds bfloat16 values exactly. With ``block_bytes`` every
+    16-bit product of more than 128 x 128 weights is taken 128 output rows (64 of 256 inputs) at a time (:func:`~mlx_dq.runner.half_linear`), with the same results."""
     import shutil
 
     from fixtures_models import make_tiny_model_folder
+    from mlx_dq import runner as runner_mod
     from mlx_dq.convert import convert
     from mlx_dq.runner import LayerRunner
+
+    if block_bytes is not None:
+        monkeypatch.setattr(runner_mod, "HALF_BLOCK_BYTES", block_bytes)
+    blocked = []
+    orig_half = runner_mod.half_linear
+
+    def half_linear(mod, x):
+        y = orig_half(mod, x)
+        blocked.append(y is not None)
+        return y
+
+    monkeypatch.setattr(runner_mod, "half_linear", half_linear)
+    outside: dict[str, set] = {}
+    orig_outside = LayerRunner.load_outside
+
+    def load_outside(self, *a, **k):  # the dtypes of the tables it loads
+        before = {p: m.weight for p, m in self.outside_modules().items()}
+        orig_outside(self, *a, **k)
+        outside.setdefault(str(self.source.path), set()).update(
+            (p, str(m.weight.dtype)) for p, m in self.outside_modules().items() if m.weight is not before[p])
+
+    monkeypatch.setattr(LayerRunner, "load_outside", load_outside)
 
     b16 = make_tiny_model_folder(tmp_path, "llama", dtype=mx.bfloat16, seed=5, name="b16", hidden=128,
                                  intermediate=256)
@@ -873,12 +899,12 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     def load(self, i):
         mods = orig(self, i)
         seen.setdefault(str(self.source.path), set()).update(str(m.weight.dtype) for m in mods.values())
-        eager.setdefault(str(self.source.path), set()).update("_eager_base" in type(m).__dict__ for m in mods.values())
+        eager.setdefault(str(self.source.path), set()).update("_half_base" in type(m).__dict__ for m in mods.values())
         return mods
 
     def free(self, i):
         orig_free(self, i)
-        assert not any("_eager_base" in type(m).__dict__ for _, m in self.layers[i].named_modules())
+        assert not any("_half_base" in type(m).__dict__ for _, m in self.layers[i].named_modules())
 
     monkeypatch.setattr(LayerRunner, "load", load)
     monkeypatch.setattr(LayerRunner, "free", free)
@@ -892,6 +918,10 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
         runs[name] = m
     assert [seen[str(tmp_path / n)] for n in ("b16", "f32")] == [{"mlx.core.bfloat16"}, {"mlx.core.float32"}]
     assert [eager[str(tmp_path / n)] for n in ("b16", "f32")] == [{True}, {False}]
+    assert any(blocked) == (block_bytes is not None)  # only 16-bit weights over the block size go by blocks
+    assert outside[str(b16)] == {("model.embed_tokens", "mlx.core.float32"), ("model.embed_tokens", "mlx.core.bfloat16"),
+                                 ("lm_head", "mlx.core.bfloat16")}  # float32 only to embed the rows
+    assert {d for _, d in outside[str(f32)]} == {"mlx.core.float32"}
     from mlx_dq.estimate import _held_bytes
     from mlx_dq.sources import resolve
 
@@ -927,3 +957,31 @@ def test_large_gram_grows_in_its_own_buffer_in_the_one_process_order(monkeypatch
     base = mx.get_active_memory()
     capture.add_gram(g, xs[0])
     assert mx.get_peak_memory() - base < 0.5 * g.nbytes  # no second Gram-sized array
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_half_linear_products_by_row_blocks_equal_the_whole_product(monkeypatch, bias):
+    """A 16-bit linear layer over the block size meets a float32 input a block of output rows at a time, lazily (no
+    whole float32 copy of the weight), with the whole product's values bit for bit; other inputs, weights and
+    module kinds are left to the module's own call."""
+    from mlx_dq import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "HALF_BLOCK_BYTES", 4 * 256 * 100)  # 64 rows of a 256-input weight (a multiple)
+    lin = nn.Linear(256, 150, bias=bias)
+    lin.update(tree_map(lambda a: a.astype(mx.bfloat16), lin.parameters()))
+    if bias:
+        lin.bias = lin.bias.astype(mx.float32)
+    x = mx.random.normal((3, 32, 256), key=mx.random.key(1))
+    whole = nn.Linear.__call__(lin, x)
+    blocked = runner_mod.half_linear(lin, x)
+    assert blocked is not None and blocked.dtype == mx.float32 and blocked.shape == (3, 32, 150)
+    assert mx.array_equal(blocked, whole).item()
+    lin.__class__ = runner_mod.half_class(nn.Linear, eager=False)
+    assert mx.array_equal(lin(x), whole).item()
+    runner_mod.plain_class(lin)
+    assert type(lin) is nn.Linear
+    assert runner_mod.half_linear(lin, x.astype(mx.bfloat16)) is None  # a 16-bit input: MLX's own product
+    small = nn.Linear(256, 30)
+    small.update(tree_map(lambda a: a.astype(mx.bfloat16), small.parameters()))
+    assert runner_mod.half_linear(small, x) is None  # within one block
+    assert runner_mod.half_linear(nn.Embedding(150, 256), x) is None
