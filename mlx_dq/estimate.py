@@ -4,9 +4,9 @@ The work is counted in multiply-adds from the tensor shapes (the skeleton is
 built lazily: MLX arrays are never evaluated), turned into time with the
 machine's float32 matmul rate (timed here in a fraction of a second, or given),
 and the peak memory and disk follow the streaming design: the calibration rows'
-hidden states, plus the larger of two stages: one decoder layer in float32 (the
-embedding and head released meanwhile), or the embedding/head in float32 with
-the head's logits ``HEAD_CHUNK`` positions at a time and the head-KL reference
+hidden states, plus the larger of two stages: one decoder layer (the embedding
+and head released meanwhile), or the embedding/head (an untied model's in their
+16-bit source dtype, a tied table in float32) with the head's logits ``HEAD_CHUNK`` positions at a time and the head-KL reference
 cache. The time is a floor (matmul-bound work at the plain-matmul rate): the
 quantizers' bookkeeping makes real runs slower; ``TIME_FACTOR`` is the ratio
 observed on the benchmark machine (see ``benchmarks/scale.py``).
@@ -204,8 +204,8 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                 macs += full * imp * vocab * hidden * (1 + recompute)  # each full option's KL (+ recomputed refs)
             head_extra = cached
     f = flops or matmul_flops()
-    held = _held_bytes(source)
-    other_f32 = _outside_bytes(other, held[1])
+    held = _held_bytes(source, untied=bool(lookup_only))
+    other_f32 = _outside_bytes(other, held[1], _probe_bytes(other, lookup_only))
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
@@ -222,20 +222,27 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                     detail={"layers": len(layers), "tokens": tokens, "vocab": vocab, "largest_tensor": largest})
 
 
-def _outside_bytes(other: list, per_weight: int = 6) -> int:
-    """Bytes of the tensors outside the layers held at once: the largest in float32, ``per_weight`` bytes a weight
-    while it loads (an untied embedding and its head are loaded, measured and released one after the other)."""
-    return per_weight * max([_numel(s) for _, s in other] + [0])
+def _outside_bytes(other: list, per_weight: int = 6, probe: int = 0) -> int:
+    """Bytes of the tensors outside the layers held at once: the largest at ``per_weight`` bytes a weight while it
+    loads and is measured (an untied embedding and its head are loaded, measured and released one after the other),
+    or ``probe`` (the embedding pass's float32 table) when more."""
+    return max(per_weight * max([_numel(s) for _, s in other] + [0]), probe)
 
 
-def _held_bytes(source: Any) -> tuple[int, int]:
+def _held_bytes(source: Any, untied: bool = False) -> tuple[int, int]:
     """Bytes a weight holds: in a decoder layer (its 16-bit source dtype kept) and in the largest outside table while
-    it loads (float32, read by rows from 16-bit safetensors; with its whole source copy beside it from GGUF)."""
+    it is measured or quantized (an untied model's head and table keep a 16-bit source dtype; a tied table is
+    float32, read by rows from 16-bit safetensors; with its whole source copy beside it from GGUF)."""
     dtypes = source.stored_dtypes() if hasattr(source, "stored_dtypes") else None
     if not dtypes:
         return 4, 6
     half = dtypes <= {"float16", "bfloat16"}
-    return (2 if half else 4), (4 if half or dtypes == {"float32"} else 6)
+    return (2 if half else 4), (2 if half and untied else 4 if half or dtypes == {"float32"} else 6)
+
+
+def _probe_bytes(other: list, lookup_only: set) -> int:
+    """The embedding pass's float32 lookup table (an untied model's; a tied one is counted with the head)."""
+    return 4 * max([_numel(s) for p, s in other if p in lookup_only] + [0])
 
 
 def _stage_peak(layers: list, other: list, biggest_layer: int, outside_bytes: int, method: str = "gptq",
@@ -273,7 +280,7 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
 
     ``measurement_bytes``: size of a given measurement file (copied into the output).
     """
-    layers, other, hidden, _ = _shapes(source)
+    layers, other, hidden, lookup_only = _shapes(source)
     f = flops or matmul_flops()
     meas = estimate_measure(source, method=method, flops=f, **(measure_kwargs or {})) if measure_first else None
     tokens = rows * seq_len
@@ -300,10 +307,10 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
         measurement_bytes = JSON_BYTES_PER_OPTION * n_opts
     disk = quant_params * bits / 8 + (total_params - quant_params) * 2 + _side_bytes(source) \
         + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
-    held = _held_bytes(source)
+    held = _held_bytes(source, untied=bool(lookup_only))
+    outside = _outside_bytes(other, held[1], _probe_bytes(other, lookup_only))
     peak = BASE_RSS + 4 * tokens * hidden * 2 + CLIP_SEARCH_BYTES \
-        + _stage_peak(layers, other, biggest_layer, _outside_bytes(other, held[1]) + 4 * 128 * vocab * 2, method,
-                      held[0])
+        + _stage_peak(layers, other, biggest_layer, outside + 4 * 128 * vocab * 2, method, held[0])
     if meas is not None:
         peak = max(peak, meas.peak_bytes)
     est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,

@@ -925,8 +925,9 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     from mlx_dq.estimate import _held_bytes
     from mlx_dq.sources import resolve
 
-    held = {n: _held_bytes(resolve(str(tmp_path / n))) for n in ("b16", "f32")}
-    assert held == {"b16": (2, 4), "f32": (4, 4)}  # the estimate counts a 16-bit layer at 2 bytes a weight
+    held = {n: _held_bytes(resolve(str(tmp_path / n)), untied=True) for n in ("b16", "f32")}
+    assert held == {"b16": (2, 2), "f32": (4, 4)}  # the estimate counts a 16-bit layer and head at 2 bytes a weight
+    assert _held_bytes(resolve(str(b16)), untied=False) == (2, 4)  # a tied table is float32
     _assert_same(runs["b16"], runs["f32"], rel=1e-6)
     fa, fb = sorted((tmp_path / "out-b16").glob("*.safetensors")), sorted((tmp_path / "out-f32").glob("*.safetensors"))
     assert fa and [f.name for f in fa] == [f.name for f in fb]
