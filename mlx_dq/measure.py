@@ -379,10 +379,9 @@ def measure_tensor(
                 t_q = time.perf_counter()
                 qt, share = quantized(opt)
                 t_opt += (time.perf_counter() - t_q) - share  # this option's share of a batch's time
-            wq = qt.dequantize(qt.dtype if opt in in_kept else mx.float32)
-            picked = rows_idx is not None and opt in in_kept
-            known = qt.out_sq if qt.out_sq is None or not picked else qt.out_sq[..., np.asarray(rows_idx)]
-            err, werr = meter(wq[rows_idx] if picked else wq, known)
+            picked = qt.rows(rows_idx) if rows_idx is not None and opt in in_kept else qt  # the sampled rows alone
+            wq = picked.dequantize(qt.dtype if opt in in_kept else mx.float32)
+            err, werr = meter(wq, picked.out_sq)
             clip_stats = {k: float(qt.stats[k]) for k in ("clipped_fraction", "clip_improvement") if k in qt.stats}
         damage = damage_fn(wq) if damage_fn is not None and damage is None else damage
         rec.add_option(opt, err, weight_err=werr, clip=clip_stats or None, damage=damage)

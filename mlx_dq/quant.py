@@ -101,14 +101,15 @@ class QuantizedTensor:
             wq = mx.take(wq, mx.array(inv.astype(np.int32)), axis=-1)
         return wq
 
-    def rows(self, sl: slice) -> "QuantizedTensor":
-        """Output rows ``sl`` (axis -2) as a tensor of their own (the same codes, scales and biases, sliced), so a
-        large weight can be dequantized a block of rows at a time."""
-        n = len(range(*sl.indices(self.shape[-2])))
+    def rows(self, sl: slice | mx.array) -> "QuantizedTensor":
+        """Output rows ``sl`` (axis -2: a slice or an array of row indices) as a tensor of their own (the same codes,
+        scales and biases, taken), so a large weight can be dequantized a block of rows, or a row sample, at a time."""
+        n = len(range(*sl.indices(self.shape[-2]))) if isinstance(sl, slice) else int(sl.shape[0])
+        out_sq = sl if isinstance(sl, slice) else np.asarray(sl)
         return replace(self, shape=self.shape[:-2] + (n, self.shape[-1]),
                        parts=[(w[..., sl, :], s[..., sl, :], b[..., sl, :]) for w, s, b in self.parts],
                        fp=None if self.fp is None else self.fp[..., sl, :],
-                       out_sq=None if self.out_sq is None else self.out_sq[..., sl])
+                       out_sq=None if self.out_sq is None else self.out_sq[..., out_sq])
 
     def stored(self) -> "QuantizedTensor":
         """Only what :meth:`dequantize` reads (codes, scales, biases, order or 16-bit weight).

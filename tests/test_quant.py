@@ -438,3 +438,21 @@ def test_large_tensors_dequantize_by_row_blocks_to_the_same_values(desc, monkeyp
     assert out.dtype == mx.float16 and mx.array_equal(out, whole).item()
     assert peaks[1] < 0.6 * peaks[0], peaks
     assert mx.array_equal(qt.dequantize(mx.float32), whole.astype(mx.float32)).item()
+
+
+@pytest.mark.parametrize("desc", ["1.0:3b_64g", "0.25:4b_32g/0.75:3b_64g"])
+def test_sampled_rows_of_a_quantized_tensor_dequantize_alone(desc):
+    """``rows`` with an array of row indices takes those rows' codes (and known row errors): dequantized alone they
+    equal the same rows of the whole tensor, so a meter reading a row sample need not dequantize every row."""
+    from mlx_dq.gptq import gptq_quantize
+
+    rng = np.random.default_rng(12)
+    w = mx.array(rng.standard_normal((120, 256)).astype(np.float32))
+    x = rng.standard_normal((300, 256)).astype(np.float32)
+    qt = gptq_quantize(w, QuantOption.parse(desc), mx.array(x.T @ x))
+    assert qt.out_sq is not None
+    idx = np.array([0, 7, 8, 50, 119], dtype=np.int32)
+    part = qt.rows(mx.array(idx))
+    assert part.shape == (5, 256)
+    assert mx.array_equal(part.dequantize(), qt.dequantize()[mx.array(idx)]).item()
+    np.testing.assert_array_equal(part.out_sq, qt.out_sq[idx])
