@@ -46,52 +46,72 @@ def _patched_calls(modules: Sequence[nn.Module], make: Callable[[int, type], Cal
             m.__class__ = cls
 
 
+_HALF: dict[type, type] = {}
 HALF_BLOCK_BYTES = 64 << 20  # float32 bytes of a 16-bit weight's rows widened at once for a product
 HALF_BLOCK_ALIGN = 64  # rows per block a multiple of this: BLAS kernels then sum each output as in the whole product
-_HALF: dict[tuple[type, bool], type] = {}
+_LAZY = [0]  # > 0 inside lazy_products()
 
 
-def half_linear(mod: nn.Module, x: mx.array) -> mx.array | None:
+@contextmanager
+def lazy_products() -> Iterator[None]:
+    """Inside, modules of :func:`half_class` build their products without evaluating them: for a forward whose
+    outputs are never read (recording a head's inputs costs no ``[positions x vocabulary]`` product)."""
+    _LAZY[0] += 1
+    try:
+        yield
+    finally:
+        _LAZY[0] -= 1
+
+
+def half_linear(mod: nn.Module, x: mx.array, eager: bool = True) -> mx.array | None:
     """``mod(x)`` for an ``nn.Linear`` whose weight is 16-bit and larger than :data:`HALF_BLOCK_BYTES` in float32,
-    the product taken a block of output rows at a time (lazy); None when ``mod`` is not such a layer.
+    the product taken a block of output rows at a time, each evaluated into the output when ``eager``; None when
+    ``mod`` is not such a layer.
 
-    Why: MLX widens a 16-bit weight whole to meet a float32 input (0.94 GB for a Llama-3-70B MLP weight, 1 GB for
-    Llama-3-8B's head). Each output is the same dot product; with blocks of whole kernel tiles
-    (:data:`HALF_BLOCK_ALIGN` rows, each block far above BLAS's small-matrix sizes) OpenBLAS gives the whole
-    product's values bit for bit."""
+    Why: MLX widens a 16-bit weight whole to meet a float32 input (0.94 GB for a Llama-3-70B MLP weight, 2.1 GB
+    for Llama-3-8B's head), and in one lazy evaluation every block's widened copy is alive at once. Each output is
+    the same dot product; with blocks of whole kernel tiles (:data:`HALF_BLOCK_ALIGN` rows, each block far above
+    BLAS's small-matrix sizes) OpenBLAS gives the whole product's values bit for bit."""
     w = mod.get("weight") if isinstance(mod, nn.Linear) else None
     if w is None or w.ndim != 2 or w.dtype not in HALF_DTYPES or x.dtype != mx.float32 \
             or w.size * 4 <= HALF_BLOCK_BYTES:
         return None
-    bias = mod.get("bias")
+    bias, rows = mod.get("bias"), int(w.shape[0])
     step = max(HALF_BLOCK_ALIGN, HALF_BLOCK_BYTES // (4 * int(w.shape[1])) // HALF_BLOCK_ALIGN * HALF_BLOCK_ALIGN)
-    parts = []
-    for s in range(0, int(w.shape[0]), step):
+
+    def block(s: int) -> mx.array:
         wb = w[s:s + step].astype(mx.float32).T
-        parts.append(x @ wb if bias is None else mx.addmm(bias[s:s + step], x, wb))
-    return mx.concatenate(parts, axis=-1)
+        return x @ wb if bias is None else mx.addmm(bias[s:s + step], x, wb)
+
+    if not eager:
+        return mx.concatenate([block(s) for s in range(0, rows, step)], axis=-1)
+    out = mx.zeros(x.shape[:-1] + (rows,), dtype=mx.float32)
+    for s in range(0, rows, step):
+        out[..., s:s + step] = block(s)
+        mx.eval(out)  # in place: the array's only reference
+    return out
 
 
-def half_class(cls: type, eager: bool) -> type:
-    """A subclass of ``cls`` for modules holding a 16-bit weight: large linear products go by :func:`half_linear`,
-    and with ``eager`` every call evaluates its output at once.
+def half_class(cls: type) -> type:
+    """A subclass of ``cls`` for modules holding a 16-bit weight: every call evaluates its output at once (outside
+    :func:`lazy_products`), large linear products by :func:`half_linear`.
 
-    Why eager: a 16-bit weight meets a float32 input through a float32 copy that MLX makes when it evaluates the
+    Why: a 16-bit weight meets a float32 input through a float32 copy that MLX makes when it evaluates the
     product; in a lazy layer forward the copies of every weight were alive at once (a Llama-3-8B layer on 4 x 512
-    tokens peaked 1.5 GB above its weights, 0.6 GB when each product is evaluated as it comes). A head is not
-    eager: collecting its inputs must not evaluate its logits."""
-    if (cls, eager) not in _HALF:
+    tokens peaked 1.5 GB above its weights, 0.6 GB when each product is evaluated as it comes)."""
+    if cls not in _HALF:
         linear = issubclass(cls, nn.Linear) and cls.__call__ is nn.Linear.__call__  # its call is the plain product
 
         def call(self, x, *args, **kwargs):
-            y = half_linear(self, x) if linear and not args and not kwargs else None
+            eager = not _LAZY[0]
+            y = half_linear(self, x, eager) if linear and not args and not kwargs else None
             y = cls.__call__(self, x, *args, **kwargs) if y is None else y
             if eager:
                 mx.eval(y)
             return y
 
-        _HALF[cls, eager] = type(cls.__name__, (cls,), {"__call__": call, "_half_base": cls})
-    return _HALF[cls, eager]
+        _HALF[cls] = type(cls.__name__, (cls,), {"__call__": call, "_half_base": cls})
+    return _HALF[cls]
 
 
 def plain_class(module: nn.Module) -> None:
@@ -213,7 +233,8 @@ def record_head_inputs(model: nn.Module, tokens: mx.array, hidden: mx.array, flu
     (``flush`` after each), without evaluating any logits: the head's Gram costs no ``[positions x vocabulary]``
     matmul."""
     for psl in position_chunks(int(tokens.shape[1]), chunk):
-        head_logits(model, tokens[:, psl], hidden[:, psl])  # lazy: only the recorded input is ever evaluated
+        with lazy_products():
+            head_logits(model, tokens[:, psl], hidden[:, psl])  # lazy: only the recorded input is ever evaluated
         flush()
 
 
@@ -265,7 +286,7 @@ class LayerRunner:
             as_stored={f"{p}.weight" for p in halves}))
         for p in halves:
             if wanted(f"{p}.weight") and outside[p].weight.dtype in HALF_DTYPES:
-                outside[p].__class__ = half_class(type(outside[p]), eager=False)
+                outside[p].__class__ = half_class(type(outside[p]))
 
     def load_for_probe(self) -> None:
         """Load what embedding the rows needs: the weights outside the decoder layers but an untied head.
@@ -316,7 +337,7 @@ class LayerRunner:
         load_into(self.net, dict(self.source.layer_weights(i, stored)))
         for p, m in mods.items():
             if f"{p}.weight" in stored and m.weight.dtype in HALF_DTYPES:
-                m.__class__ = half_class(type(m), eager=True)
+                m.__class__ = half_class(type(m))
         return mods
 
     def forward(self, i: int, hidden: Any, col: GramCollector | None = None) -> Any:

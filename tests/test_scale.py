@@ -869,8 +869,8 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     blocked = []
     orig_half = runner_mod.half_linear
 
-    def half_linear(mod, x):
-        y = orig_half(mod, x)
+    def half_linear(mod, x, *a):
+        y = orig_half(mod, x, *a)
         blocked.append(y is not None)
         return y
 
@@ -962,23 +962,34 @@ def test_large_gram_grows_in_its_own_buffer_in_the_one_process_order(monkeypatch
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_half_linear_products_by_row_blocks_equal_the_whole_product(monkeypatch, bias):
-    """A 16-bit linear layer over the block size meets a float32 input a block of output rows at a time, lazily (no
-    whole float32 copy of the weight), with the whole product's values bit for bit; other inputs, weights and
-    module kinds are left to the module's own call."""
+    """A 16-bit linear layer over the block size meets a float32 input a block of output rows at a time, with the
+    whole product's values bit for bit, evaluated block by block (no whole float32 copy of the weight) or lazily
+    inside ``lazy_products``; other inputs, weights and module kinds are left to the module's own call."""
     from mlx_dq import runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "HALF_BLOCK_BYTES", 4 * 256 * 100)  # 64 rows of a 256-input weight (a multiple)
-    lin = nn.Linear(256, 150, bias=bias)
+    lin = nn.Linear(256, 1500, bias=bias)
     lin.update(tree_map(lambda a: a.astype(mx.bfloat16), lin.parameters()))
     if bias:
         lin.bias = lin.bias.astype(mx.float32)
     x = mx.random.normal((3, 32, 256), key=mx.random.key(1))
-    whole = nn.Linear.__call__(lin, x)
-    blocked = runner_mod.half_linear(lin, x)
-    assert blocked is not None and blocked.dtype == mx.float32 and blocked.shape == (3, 32, 150)
-    assert mx.array_equal(blocked, whole).item()
-    lin.__class__ = runner_mod.half_class(nn.Linear, eager=False)
+    mx.eval(lin.parameters(), x)
+    peaks, outs = [], []
+    for f in (lambda: nn.Linear.__call__(lin, x), lambda: runner_mod.half_linear(lin, x),
+              lambda: runner_mod.half_linear(lin, x, eager=False)):
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        outs.append(f())
+        mx.eval(outs[-1])
+        peaks.append(mx.get_peak_memory() - base)
+    whole = outs[0]
+    assert all(o.dtype == mx.float32 and o.shape == (3, 32, 1500) for o in outs)
+    assert all(mx.array_equal(o, whole).item() for o in outs[1:])
+    assert peaks[1] < peaks[0] - 2 * 1500 * 256  # the weight's float32 copy is never whole
+    lin.__class__ = runner_mod.half_class(nn.Linear)
     assert mx.array_equal(lin(x), whole).item()
+    with runner_mod.lazy_products():
+        assert mx.array_equal(lin(x), whole).item()
     runner_mod.plain_class(lin)
     assert type(lin) is nn.Linear
     assert runner_mod.half_linear(lin, x.astype(mx.bfloat16)) is None  # a 16-bit input: MLX's own product
