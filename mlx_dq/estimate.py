@@ -205,16 +205,16 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
             head_extra = cached
     f = flops or matmul_flops()
     held = _held_bytes(source, untied=bool(lookup_only))
-    other_f32 = _outside_bytes(other, held[1], _probe_bytes(other, lookup_only))
+    other_f32 = _outside_bytes(other, held[1])
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
     states = 4 * tokens * hidden * 2  # hidden states of the calibration rows and the next layer's
     logits = 4 * HEAD_CHUNK * vocab * 4  # one chunk's logits, log-softmax and KL temporaries
     one_block = [_numel(s) for _, s in heads if row_blocks(s) is None]
     if kl_scale and one_block:  # a head of one row block: its KL swaps in a whole dequantized float32 copy
         head_extra += 4 * max(one_block)
-    peak = BASE_RSS + states + (CLIP_SEARCH_BYTES if method == "gptq" else 0) \
-        + _stage_peak(layers, other, biggest_layer, other_f32 + logits + head_extra, method,
-                      held[0])  # RTN: options per Gram block
+    peak = BASE_RSS + states + max(_probe_bytes(other, lookup_only), (CLIP_SEARCH_BYTES if method == "gptq" else 0)
+                                   + _stage_peak(layers, other, biggest_layer, other_f32 + logits + head_extra, method,
+                                                 held[0]))  # RTN: options per Gram block
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON
     seconds = TIME_FACTOR * 2 * macs / f + FIXED_S + OPTION_S.get(method, 0.3) * n_meas
     return Estimate("measure", macs=macs, measurements=n_meas, seconds=seconds, peak_bytes=peak,
@@ -222,11 +222,10 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                     detail={"layers": len(layers), "tokens": tokens, "vocab": vocab, "largest_tensor": largest})
 
 
-def _outside_bytes(other: list, per_weight: int = 6, probe: int = 0) -> int:
+def _outside_bytes(other: list, per_weight: int = 6) -> int:
     """Bytes of the tensors outside the layers held at once: the largest at ``per_weight`` bytes a weight while it
-    loads and is measured (an untied embedding and its head are loaded, measured and released one after the other),
-    or ``probe`` (the embedding pass's float32 table) when more."""
-    return max(per_weight * max([_numel(s) for _, s in other] + [0]), probe)
+    loads and is measured (an untied embedding and its head are loaded, measured and released one after the other)."""
+    return per_weight * max([_numel(s) for _, s in other] + [0])
 
 
 def _held_bytes(source: Any, untied: bool = False) -> tuple[int, int]:
@@ -241,7 +240,8 @@ def _held_bytes(source: Any, untied: bool = False) -> tuple[int, int]:
 
 
 def _probe_bytes(other: list, lookup_only: set) -> int:
-    """The embedding pass's float32 lookup table (an untied model's; a tied one is counted with the head)."""
+    """The embedding pass's float32 lookup table (an untied model's; a tied one is counted with the head): that
+    pass holds nothing else of note."""
     return 4 * max([_numel(s) for p, s in other if p in lookup_only] + [0])
 
 
@@ -308,9 +308,8 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
     disk = quant_params * bits / 8 + (total_params - quant_params) * 2 + _side_bytes(source) \
         + measurement_bytes + 500 * n_tensors + 16 * 2**10  # weights, tokenizer, JSON records, card
     held = _held_bytes(source, untied=bool(lookup_only))
-    outside = _outside_bytes(other, held[1], _probe_bytes(other, lookup_only))
-    peak = BASE_RSS + 4 * tokens * hidden * 2 + CLIP_SEARCH_BYTES \
-        + _stage_peak(layers, other, biggest_layer, outside + 4 * 128 * vocab * 2, method, held[0])
+    peak = BASE_RSS + 4 * tokens * hidden * 2 + max(_probe_bytes(other, lookup_only), CLIP_SEARCH_BYTES + _stage_peak(
+        layers, other, biggest_layer, _outside_bytes(other, held[1]) + 4 * 128 * vocab * 2, method, held[0]))
     if meas is not None:
         peak = max(peak, meas.peak_bytes)
     est = Estimate("convert" + (" (quantize stage)" if meas is not None else ""), macs=macs,
