@@ -531,3 +531,17 @@ def test_consumed_gram_becomes_the_same_factor(rank, damp, monkeypatch):
         gptq_quantize_many(w, [opts[0]], stand_in, damp=damp + 0.1, factor_cache=cache, error_stats=False)
     with pytest.raises(AttributeError):
         stand_in.astype(mx.float32)
+
+
+def test_factor_finiteness_is_checked_by_row_chunks(monkeypatch):
+    """The factor's finiteness check reads a chunk of rows at a time (no k x k bool array) and still sees a bad
+    entry anywhere, in any matrix of a batch."""
+    from mlx_dq import gptq, linalg
+
+    monkeypatch.setattr(linalg, "CHUNK_FLOATS", 3 * 10)  # 3 rows of a 10-wide matrix per chunk
+    a = np.ones((2, 10, 10), dtype=np.float32)
+    assert gptq._all_finite(a)
+    for idx in [(0, 0, 0), (1, 9, 9), (1, 5, 2)]:
+        b = a.copy()
+        b[idx] = np.nan if idx[2] % 2 else np.inf
+        assert not gptq._all_finite(b)
