@@ -4,10 +4,11 @@ The work is counted in multiply-adds from the tensor shapes (the skeleton is
 built lazily: MLX arrays are never evaluated), turned into time with the
 machine's float32 matmul rate (timed here in a fraction of a second, or given),
 and the peak memory and disk follow the streaming design: the calibration rows'
-hidden states, plus the larger of two stages: one decoder layer (the embedding
-and head released meanwhile), or the embedding/head (an untied model's in their
-16-bit source dtype, a tied table in float32) with the head's logits ``HEAD_CHUNK`` positions at a time and the head-KL reference
-cache. The time is a floor (matmul-bound work at the plain-matmul rate): the
+hidden states, plus the larger of three stages: one decoder layer (the embedding
+and head released meanwhile), the embedding/head (an untied model's in their
+16-bit source dtype, a tied table in float32) with the head's logits
+``HEAD_CHUNK`` positions at a time and the head-KL reference cache, or the
+embedding pass (the table in float32). The time is a floor (matmul-bound work at the plain-matmul rate): the
 quantizers' bookkeeping makes real runs slower; ``TIME_FACTOR`` is the ratio
 observed on the benchmark machine (see ``benchmarks/scale.py``).
 """

@@ -856,7 +856,8 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     """A bfloat16 model's decoder layers, untied head and lookup table stay in bfloat16 while they are measured and
     quantized (half their memory), and every record and written tensor equals those of the same weights stored in
     float32: every step reads them in float32, which holds bfloat16 values exactly. With ``block_bytes`` every
-    16-bit product of more than 128 x 128 weights is taken 128 output rows (64 of 256 inputs) at a time (:func:`~mlx_dq.runner.half_linear`), with the same results."""
+    16-bit product of more than 128 x 128 weights is taken 128 output rows (64 of 256 inputs) at a time
+    (:func:`~mlx_dq.runner.half_linear`), with the same results."""
     import shutil
 
     from fixtures_models import make_tiny_model_folder
@@ -919,8 +920,8 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     assert [seen[str(tmp_path / n)] for n in ("b16", "f32")] == [{"mlx.core.bfloat16"}, {"mlx.core.float32"}]
     assert [eager[str(tmp_path / n)] for n in ("b16", "f32")] == [{True}, {False}]
     assert any(blocked) == (block_bytes is not None)  # only 16-bit weights over the block size go by blocks
-    assert outside[str(b16)] == {("model.embed_tokens", "mlx.core.float32"), ("model.embed_tokens", "mlx.core.bfloat16"),
-                                 ("lm_head", "mlx.core.bfloat16")}  # float32 only to embed the rows
+    assert outside[str(b16)] == {("model.embed_tokens", "mlx.core.float32"),  # float32 only to embed the rows
+                                 ("model.embed_tokens", "mlx.core.bfloat16"), ("lm_head", "mlx.core.bfloat16")}
     assert {d for _, d in outside[str(f32)]} == {"mlx.core.float32"}
     from mlx_dq.estimate import _held_bytes
     from mlx_dq.sources import resolve
