@@ -341,8 +341,8 @@ def measure_tensor(
     the clip search when ``clip``). When ``kept`` is a dict whose keys name options, their quantized tensors are
     stored in it (:meth:`~mlx_dq.quant.QuantizedTensor.stored`); ``damage_fn(wq)`` when given measures each
     option's end-to-end damage. ``progress``: a bar over the options. ``only`` (option descriptions) measures
-    just those (one rank's share). ``sample_rows > 0`` measures a linear layer's options on a seeded random subset of that many output rows (see
-    :func:`output_row_sample`); options in ``kept`` are still quantized on every row. ``timings`` (a dict)
+    just those (one rank's share). ``sample_rows > 0`` measures a linear layer's options on a seeded random
+    subset of that many output rows (see :func:`output_row_sample`); options in ``kept`` are still quantized on every row. ``timings`` (a dict)
     receives each measured option's wall seconds, which balance the work of later layers over ranks.
     ``sample`` (row indices, row weights) gives the rows instead (``damage_fn`` then gets those rows' dequantized
     weights). ``energy``: every output row's ``w_i G w_i^T`` when known (the sample and the meter use it).

@@ -12,7 +12,7 @@ plus the calibration rows' hidden states, independent of depth.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -112,6 +112,13 @@ def half_class(cls: type) -> type:
 
         _HALF[cls] = type(cls.__name__, (cls,), {"__call__": call, "_half_base": cls})
     return _HALF[cls]
+
+
+def mark_half(modules: Iterable[nn.Module]) -> None:
+    """Give each of ``modules`` whose weight is 16-bit the :func:`half_class` of its class (once)."""
+    for m in modules:
+        if m.weight.dtype in HALF_DTYPES and "_half_base" not in type(m).__dict__:
+            m.__class__ = half_class(type(m))
 
 
 def plain_class(module: nn.Module) -> None:
@@ -279,14 +286,12 @@ class LayerRunner:
             return only is None or any(name.startswith(p + ".") for p in only)
 
         outside = self.outside_modules()
-        tables = self.lookup_tables()
-        halves = [p for p, m in outside.items() if half and (p in tables or isinstance(m, nn.Linear))]
+        tables = lookup_tables(outside)
+        halves = [p for p, m in outside.items() if p in tables or isinstance(m, nn.Linear)] if half else []
         load_into(self.net, self.source.load_weights(
             (n for n in self.source.weight_names() if layer_index(n) is None and wanted(n)),
             as_stored={f"{p}.weight" for p in halves}))
-        for p in halves:
-            if wanted(f"{p}.weight") and outside[p].weight.dtype in HALF_DTYPES:
-                outside[p].__class__ = half_class(type(outside[p]))
+        mark_half(outside[p] for p in halves)
 
     def load_for_probe(self) -> None:
         """Load what embedding the rows needs: the weights outside the decoder layers but an untied head.
@@ -335,9 +340,7 @@ class LayerRunner:
         mods = quantizable_modules(self.layers[i], prefix=f"{self.prefix}{i}.")
         stored = {f"{p}.weight" for p, m in mods.items() if not isinstance(m, nn.Embedding)}
         load_into(self.net, dict(self.source.layer_weights(i, stored)))
-        for p, m in mods.items():
-            if f"{p}.weight" in stored and m.weight.dtype in HALF_DTYPES:
-                m.__class__ = half_class(type(m))
+        mark_half(mods.values())
         return mods
 
     def forward(self, i: int, hidden: Any, col: GramCollector | None = None) -> Any:
