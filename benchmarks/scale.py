@@ -11,7 +11,10 @@ for GPTQ and the exact error), achieved FLOP/s against a plain float32
 RSS (sampled every 20 ms); then totals extrapolated to the full depth.
 
 Numpy share: own time (cProfile) of numpy functions and of ``gptq_core``
-(whose ndarray operators do not show up as calls) over the profiled measure time.
+(whose ndarray operators do not show up as calls) over the own time of every
+thread of the measure (the main thread and each worker thread, each profiled;
+time spent waiting for another thread left out). Before, only the main thread
+was profiled, so the work of a layer's tensors on worker threads was not seen.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/scale.py --shapes 0.5b --method rtn --grid fast --rows 16
@@ -109,17 +112,29 @@ if args["stage"] == "measure":
         orig_save(m, p)
         marks.append(time.perf_counter() - t0)
     mm.save_measurement = save
+    workers = []  # a profile per worker thread (the tensors of a layer, a head's blocks), started by each thread
+    def start(frame, event, arg):
+        p = cProfile.Profile()
+        workers.append(p)
+        p.enable()  # replaces this hook in the thread that called it
+    threading.setprofile(start)
     prof = cProfile.Profile()
     prof.enable()
     m = measure(folder, grid=args["grid"], rows=args["rows"], seq_len=args["seq_len"], method=args["method"],
                 out_path=args["out"], progress=False, sample_rows=args["sample_rows"],
                 **({"head_chunk": args["head_chunk"]} if args["head_chunk"] else {}))
     prof.disable()
-    st = pstats.Stats(prof)
-    total = sum(v[2] for v in st.stats.values())
-    npy = sum(v[2] for k, v in st.stats.items()
-              if "numpy" in k[0] or "numpy" in k[2] or k[2] == "gptq_core")
+    threading.setprofile(None)
+    stats = [pstats.Stats(prof).stats]
+    for p in workers:  # their threads have ended; snapshot without touching this thread's profiler
+        p.snapshot_stats()
+        stats.append(p.stats)
+    # own time of every thread, less the time spent waiting for another thread; numpy's part of it
+    own = [(k, v[2]) for st in stats for k, v in st.items() if not (k[0] == "~" and "acquire" in k[2])]
+    total = sum(t for _, t in own)
+    npy = sum(t for k, t in own if "numpy" in k[0] or "numpy" in k[2] or k[2] == "gptq_core")
     out["numpy_share"] = npy / total if total else 0.0
+    out["profiled_threads"] = len(stats)
     out["timing"] = m.extra["timing"]
     out["marks"] = marks
     out["options"] = {k: len(t.options) for k, t in m.tensors.items()}
@@ -166,14 +181,15 @@ def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, 
     vocabulary row with their KL taken block by block (original and quantized rows, plus one LSE pass) and
     the meter's reference sum, the other options on a row sample (mlx_dq.measure.head_anchors) with their
     damage predicted from the error against the Gram, and every row's energy for the sample; all of them
-    exactly without sampling (counts as in :func:`layer_macs`)."""
-    from mlx_dq.measure import HEAD_SAMPLE_FACTOR
+    exactly without sampling (counts as in :func:`layer_macs`); one pass through the head for each copy carried to
+    the logits (the sampled layers', the lookup table's)."""
+    from mlx_dq.measure import HEAD_SAMPLE_FACTOR, KL_SAMPLE_LAYERS
 
     v, h = s["vocab"], s["hidden"]
     per = 0.5 if method == "gptq" else 1
     sampled = min(v, HEAD_SAMPLE_FACTOR * sample_rows + min(tokens, v))
     full = 2 if sample_rows and options > 2 and sampled < v else options
-    kl = (2 * full + 1) * imp_tokens * v * h
+    kl = (2 * full + 1 + min(KL_SAMPLE_LAYERS, s["layers"]) + 1) * imp_tokens * v * h
     predicted = (options - full) * sampled * h * h * (per + 1) + v * h * h if full < options else 0  # + energies
     return imp_tokens * v * h + full * v * h * h * per + v * h * h + predicted + kl
 
@@ -290,7 +306,8 @@ def main() -> None:
             per_layer = sum(lay) / len(lay)
             total_measure = setup + per_layer * s["depth"] + head_s
             print(f"measure: {meas['seconds']:.1f} s here, peak RSS {meas['peak_rss_mb']:.0f} MB, "
-                  f"numpy share {meas['numpy_share']:.1%}; extrapolated to {s['depth']} layers: "
+                  f"numpy share {meas['numpy_share']:.1%} ({meas.get('profiled_threads', 1)} threads profiled); "
+                  f"extrapolated to {s['depth']} layers: "
                   f"{total_measure / 60:.1f} min")
             res = {"shape": s, "measure": {k: v for k, v in meas.items() if k != "rss"}, "stages": rows_out,
                    "extrapolated_measure_s": total_measure}

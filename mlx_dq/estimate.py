@@ -157,7 +157,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
                      flops: float | None = None) -> Estimate:
     """Predicted cost of :func:`mlx_dq.measure.measure` with these settings (shapes only)."""
     from .grids import load_grid
-    from .measure import HEAD_SAMPLE_FACTOR, REF_CACHE_BYTES
+    from .measure import HEAD_SAMPLE_FACTOR, KL_SAMPLE_LAYERS, REF_CACHE_BYTES
     from .quantize import row_blocks
     from .runner import HEAD_CHUNK
 
@@ -184,6 +184,8 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     vocab = max((s[0] for _, s in other), default=0)
     heads = [(p, s) for p, s in other]
     macs += imp * vocab * hidden  # the importance rows' logits (the base perplexity; the Gram needs none)
+    if kl_scale and vocab:  # the copies carried to the logits (sampled layers, the lookup table): one pass each
+        macs += (min(KL_SAMPLE_LAYERS, len(layers)) + 1) * imp * vocab * hidden
     head_extra = 0
     for path, s in heads:
         opts = _fitting(grid_map, path, s[-1])
@@ -199,7 +201,8 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
         if kl_scale:
             cached = min(REF_CACHE_BYTES, imp * vocab * 4)
             recompute = 1 - cached / max(1, imp * vocab * 4)
-            if row_blocks(s) is not None:  # KL block by block: original and quantized rows each time, + LSE once
+            if row_blocks(s) is not None:  # KL block by block: original and quantized rows each time, + the
+                # reference pass (its log-normaliser, with the carried copies)
                 macs += (2 * full + 1) * imp * vocab * hidden
             else:
                 macs += full * imp * vocab * hidden * (1 + recompute)  # each full option's KL (+ recomputed refs)

@@ -109,7 +109,7 @@ from .names import layer_index, role_of
 from .gptq import FactoredGram, can_consume, consume_gram
 from .quant import QuantizedTensor, exact_sums, output_error, quantize_weight, relative_error
 from .quantize import (METHODS, join_rows, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
-                       quantize_tensor, row_blocks, tensor_work)
+                       block_budget, quantized_blocks, row_blocks, tensor_work)
 from .safety import check_finite_weight
 from .threads import thread_map
 from .sources import HALF_DTYPES, resolve
@@ -250,7 +250,7 @@ class _ErrorMeter:
         self.w, self.rw = w, None if row_weights is None else row_weights[:, None]
         self.g = None if gram is None else gram.astype(mx.float32)
         self.c = None if counts is None or gram is not None else mx.array(counts.astype(np.float32))[:, None]
-        self.blocks = row_blocks(w.shape) if row_weights is None else None
+        self.blocks = row_blocks(w.shape, block_budget()) if row_weights is None else None
         self.w32 = w.astype(mx.float32) if self.blocks is None else None
         self.wden = self.oden = 0.0
         known = energy is not None and self.g is not None and w.ndim == 2  # the rows' w_i G w_i^T, given
@@ -445,9 +445,10 @@ def _measure_in_blocks(w: mx.array, opt: QuantOption, gram: mx.array | None, met
     kept: list[QuantizedTensor] = []
     onum = wnum = base = best = 0.0
     clipped, have = 0, set()
-    for i, sl in enumerate(meter.blocks):
+    quantized = quantized_blocks(lambda sl: w[..., sl, :], meter.blocks, opt, gram, method=method, clip=clip,
+                                 factor_cache=factors)  # the converter's quantizer, blocks ahead on worker threads
+    for i, (qt, sl) in enumerate(zip(quantized, meter.blocks)):
         wb = w[..., sl, :]
-        qt = quantize_tensor(wb, opt, gram, method=method, clip=clip, factor_cache=factors)  # the converter's
         wq = qt.dequantize(mx.float32)
         o, w_ = meter.partial(i, wq, qt.out_sq)
         onum, wnum = onum + o, wnum + w_
@@ -641,44 +642,45 @@ def _swap_dtype(w: mx.array) -> mx.Dtype:
 class _HeadKL:
     """End-to-end KL from the final hidden states of the importance rows: for carried perturbations and head options.
 
-    Runs the head ``chunk`` positions at a time and keeps the float32 reference
-    log-probabilities of the first chunks up to ``cache_bytes``; the others are
-    recomputed (with the original head) when needed, so memory stays bounded for
-    any vocabulary and number of rows at the cost of extra head matmuls.
+    Two ways through the head. :meth:`kl_many` (carried copies) and :class:`_HeadBlockKL` (head options) go a block
+    of vocabulary rows at a time, every position of the block before the next: each block of a 16-bit head is
+    widened once per pass, the products have all the positions the logit budget allows, and the reference
+    log-normaliser comes from the same pass (online, as in a blocked softmax). :meth:`kl` runs the whole head
+    ``chunk`` positions at a time with the reference log-probabilities of the first chunks cached up to
+    ``cache_bytes`` (built on first use; the others recomputed). Either way memory stays bounded for any
+    vocabulary and number of rows: logits never exceed ``[chunk, vocab]`` floats.
     """
 
     def __init__(self, model: nn.Module, tokens: mx.array, hidden: mx.array, chunk: int = HEAD_CHUNK,
                  cache_bytes: int = REF_CACHE_BYTES):
         self.model, self.tokens, self.hidden = model, tokens, hidden
+        self.chunk, self.cache_bytes = chunk, cache_bytes
         self.chunks = [(r, sl) for r in range(int(tokens.shape[0])) for sl in position_chunks(int(tokens.shape[1]),
                                                                                                chunk)]
-        self.ref: list[mx.array | None] = []
-        used, per_pos = 0, None
+        self.ref: list[mx.array | None] | None = None  # the cached reference log-probabilities (kl), when built
+        self.cached_bytes = self.recomputed = 0
+        self.positions = int(tokens.shape[0]) * int(tokens.shape[1])
+        self._norm: tuple[mx.array, mx.array] | None = None  # the reference's maximum and sum per position, flat
+
+    def _ref_cache(self) -> list[mx.array | None]:
+        """The reference log-probabilities of the first chunks, up to ``cache_bytes`` (built once)."""
+        if self.ref is not None:
+            return self.ref
+        self.ref, used, per_pos = [], 0, None
         for r, sl in self.chunks:
             lp = None
-            if per_pos is None or used + per_pos * (sl.stop - sl.start) <= cache_bytes:
+            if per_pos is None or used + per_pos * (sl.stop - sl.start) <= self.cache_bytes:
                 lp = self._ref_logp(r, sl)
                 mx.eval(lp)
                 per_pos = lp.nbytes // (sl.stop - sl.start)
-                if used + lp.nbytes > cache_bytes:
+                if used + lp.nbytes > self.cache_bytes:
                     lp = None
                 else:
                     used += lp.nbytes
             self.ref.append(lp)
         self.cached_bytes = used
         self.recomputed = sum(lp is None for lp in self.ref)
-        self.positions = int(tokens.shape[0]) * int(tokens.shape[1])
-        self._lse: list[mx.array] | None = None  # the reference's log-normaliser per chunk (block KL)
-
-    def ref_lse(self) -> list[mx.array]:
-        """The reference logits' log-sum-exp per position, one ``[1, positions]`` array per chunk (computed once)."""
-        if self._lse is None:
-            self._lse = []
-            for r, sl in self.chunks:
-                lse = mx.logsumexp(head_logits(self.model, self.tokens[r:r + 1, sl], self.hidden[r:r + 1, sl]), -1)
-                mx.eval(lse)
-                self._lse.append(lse)
-        return self._lse
+        return self.ref
 
     def _ref_logp(self, r: int, sl: slice) -> mx.array:
         logits = head_logits(self.model, self.tokens[r:r + 1, sl], self.hidden[r:r + 1, sl])
@@ -687,7 +689,7 @@ class _HeadKL:
     def kl(self, hidden: mx.array, swap: tuple[nn.Module, mx.array] | None = None) -> float:
         """Mean KL per position when the final hidden states are ``hidden`` (and ``swap=(mod, wq)`` sets a weight)."""
         total = 0.0
-        for (r, sl), lp in zip(self.chunks, self.ref):
+        for (r, sl), lp in zip(self.chunks, self._ref_cache()):
             if lp is None:
                 lp = self._ref_logp(r, sl)  # with the original weights
             if swap is not None:
@@ -703,6 +705,62 @@ class _HeadKL:
                 total += _kl_rows(lp, head_logits(self.model, self.tokens[r:r + 1, sl], hidden[r:r + 1, sl])).item()
         return total / self.positions
 
+    def flat(self, hidden: mx.array) -> mx.array:
+        """``hidden`` ``[rows, positions, channels]`` as one row: the norm and head act per position."""
+        return hidden.reshape(1, self.positions, int(hidden.shape[-1]))
+
+    def spans(self, block_rows: int, vocab: int) -> list[slice]:
+        """Position slices of the flat rows for products with ``block_rows`` vocabulary rows: at most
+        ``chunk x vocab`` logits each, the bound of a :meth:`kl` call over the whole head."""
+        return list(iter_batches(self.positions, max(1, self.chunk * vocab // max(1, block_rows))))
+
+    def blocks(self, mod: nn.Module) -> list[slice]:
+        """Blocks of the head's vocabulary rows for :meth:`kl_many` (:func:`row_blocks`' blocks, or one)."""
+        w = mod.weight
+        return row_blocks(tuple(w.shape)) or [slice(0, int(w.shape[0]))]
+
+    def kl_many(self, mod: nn.Module, hiddens: Sequence[mx.array]) -> list[float]:
+        """Mean KL per position for each of ``hiddens`` (final hidden states), in one pass over the head ``mod``'s
+        vocabulary blocks; the reference logits' running maximum and sum are kept for :meth:`ref_norm`.
+
+        Per position, with ``r`` the reference logits, ``q`` another's, ``M`` and ``M'`` their running maxima:
+        ``S = sum exp(r - M)``, ``D = sum exp(r - M) (r - q)`` and ``S' = sum exp(q - M')`` add up over blocks
+        (rescaled when a maximum grows); then ``KL = D / S + (M' - M) + log(S' / S)``. Taking the log of the ratio
+        keeps float32's error at the KL's scale, not at ``log(vocabulary)``'s."""
+        w = mod.weight
+        blocks = self.blocks(mod)
+        spans = self.spans(max(b.stop - b.start for b in blocks), int(w.shape[0]))
+        hs = [self.flat(self.hidden)] + [self.flat(h) for h in hiddens]
+        zeros = mx.zeros((1, self.positions), dtype=self.tokens.dtype)  # the lookup's output is replaced
+        new = lambda: [mx.full((c.stop - c.start,), -mx.inf, dtype=mx.float32) for c in spans]  # noqa: E731
+        m, s = new(), [mx.zeros((c.stop - c.start,), dtype=mx.float32) for c in spans]
+        acc = [(new(), [mx.zeros_like(x) for x in s], [mx.zeros_like(x) for x in s]) for _ in hiddens]  # M', S', D
+        try:
+            for sl in blocks:
+                mod.weight = w[sl].astype(_swap_dtype(w))
+                mx.eval(mod.weight)  # widened once for every position
+                for c, ps in enumerate(spans):
+                    r = head_logits(self.model, zeros[:, ps], hs[0][:, ps])[0]
+                    m_new, scale, e, s[c] = _online_ref(m[c], s[c], r)
+                    for j, (mq, sq, dot) in enumerate(acc):
+                        q = head_logits(self.model, zeros[:, ps], hs[j + 1][:, ps])[0]
+                        mq[c], sq[c], dot[c] = _online_other(mq[c], sq[c], dot[c], scale, e, r, q)
+                    m[c] = m_new
+                    mx.eval(m[c], s[c], *[x[c] for a in acc for x in a])
+        finally:
+            mod.weight = w
+        self._norm = mx.concatenate(m), mx.concatenate(s)
+        m_all, s_all = self._norm
+        return [((mx.concatenate(d) / s_all + (mx.concatenate(mq) - m_all) + mx.log(mx.concatenate(sq) / s_all))
+                 .sum().item()) / self.positions for mq, sq, d in acc]
+
+    def ref_norm(self, mod: nn.Module) -> tuple[mx.array, mx.array]:
+        """The reference logits' maximum ``M`` and ``sum exp(r - M)`` per position, flat (one :meth:`kl_many` pass,
+        once): ``LSE(r) = M + log S``."""
+        if self._norm is None:
+            self.kl_many(mod, [])
+        return self._norm
+
     def damage_fn(self, mod: nn.Module) -> Callable[[mx.array], float]:
         """``wq -> KL`` with the head (or tied embedding) weight of ``mod`` replaced by ``wq``.
 
@@ -717,6 +775,25 @@ class _HeadKL:
         return fn
 
 
+@mx.compile
+def _online_ref(m: mx.array, s: mx.array, r: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """One block of reference logits ``r`` ``[positions, rows]`` into the running maximum ``m`` and sum ``s``:
+    the new maximum, the rescale factor of the old sums, ``exp(r - max)`` and the new sum."""
+    m_new = mx.maximum(m, r.max(-1))
+    scale = mx.exp(m - m_new)
+    e = mx.exp(r - m_new[:, None])
+    return m_new, scale, e, s * scale + e.sum(-1)
+
+
+@mx.compile
+def _online_other(mq: mx.array, sq: mx.array, dot: mx.array, scale: mx.array, e: mx.array, r: mx.array,
+                  q: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """One block of another's logits ``q`` into its running maximum and ``sum exp(q - max)`` and the running
+    ``sum exp(r - M) (r - q)`` (``scale``, ``e``: from :func:`_online_ref`)."""
+    mq_new = mx.maximum(mq, q.max(-1))
+    return mq_new, sq * mx.exp(mq - mq_new) + mx.exp(q - mq_new[:, None]).sum(-1), dot * scale + (e * (r - q)).sum(-1)
+
+
 class _HeadBlockKL:
     """One head option's KL accumulated over blocks of vocabulary rows: memory bounded by the block, not the vocabulary.
 
@@ -724,7 +801,8 @@ class _HeadBlockKL:
     ``r``, ``q`` the reference and quantized logits and ``p = softmax(r)``. The
     sum and ``LSE(q)`` (by ``logaddexp``) add up over blocks, so each block's
     original and quantized rows go through the model's own head in one call (the
-    two stacked as one weight) and its logits are dropped. Why: the whole
+    two stacked as one weight), for as many positions as the logit budget allows
+    (:meth:`_HeadKL.spans`), and its logits are dropped. Why: the whole
     dequantized head was one more float32 copy of the vocabulary x hidden matrix
     (519 MiB at 151,936 x 896), the largest item of the head stage's peak.
     Logit transforms must act per logit (scaling, soft-capping), as in mlx-lm's models.
@@ -732,10 +810,14 @@ class _HeadBlockKL:
 
     def __init__(self, head: _HeadKL, mod: nn.Module):
         self.head, self.mod = head, mod
-        self.lse_ref = head.ref_lse()
-        self.dot = [mx.zeros_like(x) for x in self.lse_ref]
-        self.lse_q = [mx.full(x.shape, -mx.inf, dtype=mx.float32) for x in self.lse_ref]
-        self.zeros = mx.zeros_like(head.tokens)  # the lookup's output is replaced; ids must fit the stacked rows
+        self.m_ref, self.s_ref = head.ref_norm(mod)
+        self.lse_ref = self.m_ref + mx.log(self.s_ref)
+        self.vocab = int(mod.weight.shape[0])
+        self.hidden = head.flat(head.hidden)
+        self.dot = mx.zeros_like(self.lse_ref)
+        self.m_q = mx.full(self.lse_ref.shape, -mx.inf, dtype=mx.float32)
+        self.s_q = mx.zeros_like(self.lse_ref)
+        self.zeros = mx.zeros((1, head.positions), dtype=head.tokens.dtype)  # ids must fit the stacked rows
 
     def add(self, i: int, sl: slice, wq: mx.array) -> None:
         """Account for vocabulary rows ``sl`` (row block ``i``) quantized to ``wq``."""
@@ -743,20 +825,28 @@ class _HeadBlockKL:
         n, dt = int(wq.shape[0]), _swap_dtype(w)
         self.mod.weight = mx.concatenate([w[sl].astype(dt), wq.astype(dt)])
         try:
-            for c, (r, psl) in enumerate(h.chunks):
-                logits = head_logits(h.model, self.zeros[r:r + 1, psl], h.hidden[r:r + 1, psl])
-                ref, q = logits[..., :n], logits[..., n:]
-                p = mx.exp(ref - self.lse_ref[c][..., None])
-                self.dot[c] = self.dot[c] + (p * (ref - q)).sum(-1)
-                self.lse_q[c] = mx.logaddexp(self.lse_q[c], mx.logsumexp(q, -1))
-                mx.eval(self.dot[c], self.lse_q[c])
+            for ps in h.spans(2 * n, self.vocab):
+                logits = head_logits(h.model, self.zeros[:, ps], self.hidden[:, ps])[0]
+                self.m_q[ps], self.s_q[ps], self.dot[ps] = _block_other(
+                    self.m_q[ps], self.s_q[ps], self.dot[ps], self.lse_ref[ps], logits[..., :n], logits[..., n:])
+                mx.eval(self.dot, self.m_q, self.s_q)
         finally:
             self.mod.weight = w
 
     def value(self) -> float:
         """Mean KL per position over every block added (all the vocabulary rows)."""
-        total = sum((d + lq - lr).sum().item() for d, lq, lr in zip(self.dot, self.lse_q, self.lse_ref))
-        return total / self.head.positions
+        kl = self.dot + (self.m_q - self.m_ref) + mx.log(self.s_q / self.s_ref)
+        return kl.sum().item() / self.head.positions
+
+
+@mx.compile
+def _block_other(mq: mx.array, sq: mx.array, dot: mx.array, lse_ref: mx.array, r: mx.array,
+                 q: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """A block of quantized logits ``q`` (reference ``r``) into the running maximum and ``sum exp(q - max)`` of
+    ``q`` and the running ``sum p (r - q)``, ``p = exp(r - LSE(r))``."""
+    mq_new = mx.maximum(mq, q.max(-1))
+    return (mq_new, sq * mx.exp(mq - mq_new) + mx.exp(q - mq_new[:, None]).sum(-1),
+            dot + (mx.exp(r - lse_ref[:, None]) * (r - q)).sum(-1))
 
 
 # --------------------------------------------------------------------------
@@ -1027,10 +1117,21 @@ def _rows_swapped(mod: nn.Module, ids: np.ndarray, rows: mx.array) -> Iterator[N
         table[ids] = saved
 
 
-def _lookup_kls(run: _Run, head_kl: "_HeadKL") -> dict[str, float]:
+def _carried_kls(run: _Run, head_kl: "_HeadKL", mod: nn.Module | None) -> dict[int, float]:
+    """The KL of every copy this rank carried to the final hidden states (sampled layers and lookup tables), keyed
+    as ``run.carried``, which they leave. One pass over the head ``mod``'s vocabulary for all of them
+    (:meth:`_HeadKL.kl_many`); each on its own through the whole head when the logits' module is not known."""
+    keys = sorted(run.carried)
+    hiddens = [run.carried.pop(k) for k in keys]
+    if mod is None:
+        return {k: head_kl.kl(h) for k, h in zip(keys, hiddens)}
+    return dict(zip(keys, head_kl.kl_many(mod, hiddens)))
+
+
+def _lookup_kls(run: _Run, kls: dict[int, float]) -> dict[str, float]:
     """Each lookup table's KL per squared lookup error, from its copy carried to the final hidden states."""
     info = run.m.extra["importance"].get("kl_scale", {}).get("lookups", {})
-    mine = {p: head_kl.kl(run.carried.pop(d["key"])) for p, d in info.items() if d["key"] in run.carried}
+    mine = {p: kls[d["key"]] for p, d in info.items() if d["key"] in kls}
     kls = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
     for path, d in info.items():
         d["kl"] = kls[path]
@@ -1153,11 +1254,11 @@ def _sample_owner(run: _Run, i: int) -> int:
     return sorted(run.sample_layers).index(i) % dist.size()
 
 
-def _kl_scale(run: _Run, head_kl: "_HeadKL") -> float:
-    """Turn the sampled layers' carried perturbations into KL and rescale every importance to nats; the scale."""
+def _kl_scale(run: _Run, kls: dict[int, float]) -> float:
+    """Turn the sampled layers' carried perturbations (``kls``: their KL) into KL and rescale every importance to
+    nats; the scale."""
     info = run.m.extra["importance"]["kl_scale"]
-    mine = {x["layer"]: head_kl.kl(run.carried.pop(x["layer"])) for x in info["samples"]
-            if _sample_owner(run, x["layer"]) == dist.rank()}
+    mine = {x["layer"]: kls[x["layer"]] for x in info["samples"] if _sample_owner(run, x["layer"]) == dist.rank()}
     kls = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
     for sample in info["samples"]:
         sample["kl"] = kls[sample["layer"]]
@@ -1220,8 +1321,10 @@ def _measure_head(run: _Run) -> None:
         nll += v
     m.base_perplexity = math.exp(nll / (run.n_imp * (s.seq_len - 1)))
     head_kl = _HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
-    scale = _kl_scale(run, head_kl) if run.kl_scale else 1.0
-    run.lookup_weight = _lookup_kls(run, head_kl) if run.kl_scale else {}
+    logit_mods = [mod for p, mod in head_mods.items() if head_col.stats.get(p) is not None]
+    kls = _carried_kls(run, head_kl, logit_mods[0] if len(logit_mods) == 1 else None) if run.kl_scale else {}
+    scale = _kl_scale(run, kls) if run.kl_scale else 1.0
+    run.lookup_weight = _lookup_kls(run, kls) if run.kl_scale else {}
     no_inputs = sorted(p for p in head_mods if head_col.stats.get(p) is None)
     if sorted(lookup_only) != no_inputs:
         raise RuntimeError(f"tables measured as lookups only {sorted(lookup_only)} differ from those the head "

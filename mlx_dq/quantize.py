@@ -34,7 +34,7 @@ from .rowsplit import RowSplitCodes
 from .runner import LayerRunner, free_table, record_head_inputs
 from .safety import check_finite_weight
 from .settings import METHODS
-from .threads import thread_map
+from .threads import ahead_workers, evaluated_result, map_ahead, thread_map
 
 
 ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of output rows quantized at a time (large tensors)
@@ -61,6 +61,12 @@ def row_blocks(shape: Sequence[int], budget: int | None = None) -> list[slice] |
     if rows <= step:
         return None
     return [slice(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+
+def block_budget() -> int:
+    """Float32 bytes of one block of rows quantized here: :data:`ROW_BLOCK_BYTES` shared by the blocks quantized at
+    once (:func:`quantized_blocks` on worker threads), so a large tensor's working memory stays that of one block."""
+    return ROW_BLOCK_BYTES // ahead_workers()
 
 
 def quantize_tensor(
@@ -92,6 +98,26 @@ def quantize_tensor(
     return promote_to_uniform(qt) if natural else qt
 
 
+def quantized_blocks(piece: Callable[[slice], mx.array], blocks: Sequence[slice], option: QuantOption,
+                     gram: Any, **kw: Any) -> Iterator[QuantizedTensor]:
+    """:func:`quantize_tensor` of ``piece(sl)`` for each of ``blocks``, in order, each result evaluated.
+
+    The first block is quantized here (GPTQ's Hessian factor is made once, into ``kw["factor_cache"]``), the
+    others ahead of the caller on worker threads (:func:`~mlx_dq.threads.map_ahead`). Why: a large head's options
+    are quantized one 64 MiB block after another while their error and KL are taken, and the group-parameter
+    search and GPTQ's column loop run on one core. Rows are independent: the codes are the same on any thread."""
+    kw.setdefault("factor_cache", {})
+
+    def one(sl: slice) -> QuantizedTensor:
+        return evaluated_result(quantize_tensor(piece(sl), option, gram, **kw))
+
+    if not blocks:
+        return
+    yield one(blocks[0])
+    evaluated_result((gram, kw["factor_cache"]))  # read by the workers: nothing lazy crosses threads
+    yield from map_ahead(one, list(blocks[1:]))
+
+
 def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, rows: np.ndarray | None = None,
                   **kw: Any) -> QuantizedTensor:
     """:func:`quantize_tensor` of a large tensor one block of output rows at a time (:func:`row_blocks`).
@@ -107,7 +133,7 @@ def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, ro
     def piece(sl: slice) -> mx.array:
         return w[..., sl, :] if rows is None else mx.take(w, mx.array(rows[sl].astype(np.int32)), axis=0)
 
-    blocks = row_blocks(shape)
+    blocks = row_blocks(shape, block_budget())
     if blocks is None or option.keep16:
         whole = w if rows is None else piece(slice(None))
         if rows is not None:
@@ -115,15 +141,12 @@ def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, ro
         return quantize_tensor(whole, option, gram, **kw)
     kw.setdefault("factor_cache", {})
     parts, count, base, best, seconds = [], 0, 0.0, 0.0, 0.0
-    for sl in blocks:
-        block = piece(sl)
-        qt = quantize_tensor(block, option, gram, **kw)
+    for qt in quantized_blocks(piece, blocks, option, gram, **kw):
         st = qt.stats
         if "clipped_fraction" in st:  # back to a count: exact (the fraction is count / size)
-            count += round(st["clipped_fraction"] * math.prod(int(d) for d in block.shape))
+            count += round(st["clipped_fraction"] * math.prod(qt.shape))
         base, best = base + st.get("clip_base_err", 0.0), best + st.get("clip_best_err", 0.0)
         seconds += st.get("seconds", 0.0)
-        mx.eval(*[a for p in qt.parts for a in p])
         parts.append(qt)
     out = join_rows(parts)
     st = dict(out.stats)

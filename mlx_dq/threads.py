@@ -17,8 +17,10 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import mlx.core as mx
 
@@ -104,6 +106,41 @@ def _arrays(obj: Any, depth: int = 8) -> list[mx.array]:
     return []
 
 
+def evaluated_result(out: T) -> T:
+    """``out`` with every MLX array it holds (:func:`_arrays`) evaluated: safe to hand to another thread."""
+    mx.eval(_arrays(out))
+    return out
+
+
+def ahead_workers() -> int:
+    """Threads :func:`map_ahead` uses from the calling thread: :func:`workers` on the main thread, else 1."""
+    return workers() if threading.current_thread() is threading.main_thread() else 1
+
+
+def map_ahead(fn: Callable[[Any], T], items: Sequence[Any], n_workers: int | None = None) -> Iterator[T]:
+    """``fn(item)`` for each of ``items``, yielded in order, computed on worker threads (default :func:`workers`;
+    only from the main thread) at most one per worker ahead of the caller, each result evaluated.
+
+    Why: a long series of independent pieces (a large tensor's blocks of rows) whose results the caller consumes
+    one by one; work already on a worker thread shares the cores, so there the items run on its own thread.
+    The arrays ``fn`` reads must be evaluated before (no lazy graph crosses threads)."""
+    n = ahead_workers() if n_workers is None else n_workers
+    if n <= 1 or len(items) <= 1 or threading.current_thread() is not threading.main_thread():
+        yield from (evaluated_result(fn(it)) for it in items)
+        return
+    _one_malloc_arena()
+    _numpy_blas_one_thread()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        pending = deque(pool.submit(lambda it: evaluated_result(fn(it)), it) for it in items[:n])
+        for it in list(items[n:]) + [None]:
+            out = pending.popleft().result()
+            if it is not None:
+                pending.append(pool.submit(lambda x: evaluated_result(fn(x)), it))
+            yield out
+        while pending:
+            yield pending.popleft().result()
+
+
 def thread_map(fn: Callable[..., T], items: Iterable[Any], n_workers: int | None = None,
                cost: Callable[..., float] | None = None) -> list[T]:
     """``[fn(*item) for item in items]`` on up to ``n_workers`` threads (default :func:`workers`), in order.
@@ -121,9 +158,7 @@ def thread_map(fn: Callable[..., T], items: Iterable[Any], n_workers: int | None
     _numpy_blas_one_thread()
 
     def call(it: tuple) -> T:
-        out = fn(*it)
-        mx.eval(_arrays(out))
-        return out
+        return evaluated_result(fn(*it))
 
     order = sorted(range(len(items)), key=lambda i: -cost(*items[i])) if cost is not None else range(len(items))
     with ThreadPoolExecutor(max_workers=min(n, len(items))) as pool:

@@ -340,7 +340,18 @@ def test_quantize_rows_equals_one_piece(method, clip, desc, promote, bank, monke
     one = quantize_mod.quantize_tensor(w, opt, gram, **kw)
     monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * in_f * 70 * (2 if bank else 1))
     assert quantize_mod.row_blocks(shape) is not None
+    threads, orig = [], quantize_mod.quantize_tensor
+
+    def spy(*a, **k):
+        threads.append(__import__("threading").get_ident())
+        return orig(*a, **k)
+
+    monkeypatch.setattr(quantize_mod, "quantize_tensor", spy)
+    monkeypatch.setenv("MLX_DQ_THREADS", "2")
     blocked = quantize_mod.quantize_rows(w, opt, gram, **kw)
+    # the blocks after the first on worker threads, each half the single-thread budget (70 rows)
+    assert len(threads) == len(quantize_mod.row_blocks(shape, quantize_mod.ROW_BLOCK_BYTES // 2)) == 9
+    assert len(set(threads)) > 1
     assert blocked.shape == one.shape and blocked.bits == one.bits and blocked.widths == one.widths
     assert (blocked.perm is None) == (one.perm is None)
     if one.perm is not None:
