@@ -785,13 +785,18 @@ def _online_ref(m: mx.array, s: mx.array, r: mx.array) -> tuple[mx.array, mx.arr
     return m_new, scale, e, s * scale + e.sum(-1)
 
 
+def _running_sum_exp(mq: mx.array, sq: mx.array, q: mx.array) -> tuple[mx.array, mx.array]:
+    """One block of logits ``q`` ``[positions, rows]`` into a running maximum ``mq`` and ``sum exp(q - max)``."""
+    mq_new = mx.maximum(mq, q.max(-1))
+    return mq_new, sq * mx.exp(mq - mq_new) + mx.exp(q - mq_new[:, None]).sum(-1)
+
+
 @mx.compile
 def _online_other(mq: mx.array, sq: mx.array, dot: mx.array, scale: mx.array, e: mx.array, r: mx.array,
                   q: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """One block of another's logits ``q`` into its running maximum and ``sum exp(q - max)`` and the running
     ``sum exp(r - M) (r - q)`` (``scale``, ``e``: from :func:`_online_ref`)."""
-    mq_new = mx.maximum(mq, q.max(-1))
-    return mq_new, sq * mx.exp(mq - mq_new) + mx.exp(q - mq_new[:, None]).sum(-1), dot * scale + (e * (r - q)).sum(-1)
+    return *_running_sum_exp(mq, sq, q), dot * scale + (e * (r - q)).sum(-1)
 
 
 class _HeadBlockKL:
@@ -844,9 +849,7 @@ def _block_other(mq: mx.array, sq: mx.array, dot: mx.array, lse_ref: mx.array, r
                  q: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """A block of quantized logits ``q`` (reference ``r``) into the running maximum and ``sum exp(q - max)`` of
     ``q`` and the running ``sum p (r - q)``, ``p = exp(r - LSE(r))``."""
-    mq_new = mx.maximum(mq, q.max(-1))
-    return (mq_new, sq * mx.exp(mq - mq_new) + mx.exp(q - mq_new[:, None]).sum(-1),
-            dot + (mx.exp(r - lse_ref[:, None]) * (r - q)).sum(-1))
+    return *_running_sum_exp(mq, sq, q), dot + (mx.exp(r - lse_ref[:, None]) * (r - q)).sum(-1)
 
 
 # --------------------------------------------------------------------------

@@ -139,7 +139,6 @@ def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, ro
         if rows is not None:
             mx.eval(whole)  # made here: a worker thread's lazy array cannot be evaluated by the caller's thread
         return quantize_tensor(whole, option, gram, **kw)
-    kw.setdefault("factor_cache", {})
     parts, count, base, best, seconds = [], 0, 0.0, 0.0, 0.0
     for qt in quantized_blocks(piece, blocks, option, gram, **kw):
         st = qt.stats

@@ -124,18 +124,21 @@ def map_ahead(fn: Callable[[Any], T], items: Sequence[Any], n_workers: int | Non
     Why: a long series of independent pieces (a large tensor's blocks of rows) whose results the caller consumes
     one by one; work already on a worker thread shares the cores, so there the items run on its own thread.
     The arrays ``fn`` reads must be evaluated before (no lazy graph crosses threads)."""
+    def call(it: Any) -> T:
+        return evaluated_result(fn(it))
+
     n = ahead_workers() if n_workers is None else n_workers
     if n <= 1 or len(items) <= 1 or threading.current_thread() is not threading.main_thread():
-        yield from (evaluated_result(fn(it)) for it in items)
+        yield from (call(it) for it in items)
         return
     _one_malloc_arena()
     _numpy_blas_one_thread()
     with ThreadPoolExecutor(max_workers=n) as pool:
-        pending = deque(pool.submit(lambda it: evaluated_result(fn(it)), it) for it in items[:n])
+        pending = deque(pool.submit(call, it) for it in items[:n])
         for it in list(items[n:]) + [None]:
             out = pending.popleft().result()
             if it is not None:
-                pending.append(pool.submit(lambda x: evaluated_result(fn(x)), it))
+                pending.append(pool.submit(call, it))
             yield out
         while pending:
             yield pending.popleft().result()
