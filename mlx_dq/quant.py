@@ -12,7 +12,8 @@ Building blocks, reusable by error-compensating quantizers:
   by output error (diagonal Gram blocks), input-energy-weighted or plain error,
 - :func:`permute_inputs` / :func:`pack_part` act-order and stored triples,
 - :func:`pack_codes` / :func:`unpack_codes` / :func:`dequantize_ref` a numpy
-  reference of MLX's storage format, bit-exact with the CPU backend.
+  reference of MLX's storage format, bit-exact with the CPU backend;
+  :func:`pack_codes_mx` the same packing in MLX, which the quantizers use.
 """
 
 from __future__ import annotations
@@ -152,6 +153,30 @@ def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
     nbytes = per_chunk * bits // 8
     stream = value.astype("<u8").view(np.uint8).reshape(value.shape + (8,))[..., :nbytes]
     return np.ascontiguousarray(stream).reshape(-1, k * bits // 8).view("<u4").astype(np.uint32).reshape(*lead, k * bits // 32)
+
+
+def pack_codes_mx(q: mx.array | np.ndarray, bits: int) -> mx.array:
+    """:func:`pack_codes` as MLX array operations on the default device (the same words).
+
+    Every 32 codes fill ``bits`` whole words; word ``i`` of a run is the sum of the codes overlapping its 32
+    bits, each shifted into place (a code crossing a word boundary lands in both, split by the shifts)."""
+    q = mx.array(q) if isinstance(q, np.ndarray) else q
+    k = int(q.shape[-1])
+    if k % 32:
+        raise ValueError(f"number of codes per row must be a multiple of 32, got {k}")
+    lead = tuple(int(d) for d in q.shape[:-1])
+    c = q.astype(mx.uint32).reshape(*lead, k // 32, 32)
+    words = []
+    for i in range(bits):
+        word = None
+        for j in range(32):
+            shift = j * bits - 32 * i  # where code j starts, relative to word i
+            if shift >= 32 or shift + bits <= 0:
+                continue
+            part = c[..., j] << shift if shift >= 0 else c[..., j] >> -shift
+            word = part if word is None else word + part
+        words.append(word)
+    return mx.stack(words, axis=-1).reshape(*lead, k * bits // 32)
 
 
 def unpack_codes(packed: np.ndarray | mx.array, bits: int, k: int) -> np.ndarray:
@@ -665,8 +690,7 @@ def permute_inputs(
 
 def pack_part(codes: mx.array, scales: mx.array, biases: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """MLX's stored triple from integer codes ``[..., k]`` and per-group ``scales``/``biases`` ``[..., k/g]``."""
-    q = np.array(codes.astype(mx.uint8))
-    return mx.array(pack_codes(q, bits)), scales, biases
+    return pack_codes_mx(codes, bits), scales, biases
 
 
 def quantize_weight(

@@ -18,6 +18,7 @@ from mlx_dq.quant import (
     dequantize_ref,
     output_error,
     pack_codes,
+    pack_codes_mx,
     quantize_weight,
     unpack_codes,
     weight_error,
@@ -94,6 +95,21 @@ def test_pack_codes_is_what_mlx_unpacks(bits: int) -> None:
     ones = mx.ones((5, 256 // 32), dtype=mx.float32)
     back = mx.dequantize(packed, ones, mx.zeros_like(ones), group_size=32, bits=bits)
     assert np.array_equal(np.array(back).astype(np.int64), codes)
+
+
+@pytest.mark.parametrize("bits", VALID_BITS)
+def test_pack_codes_mx_gives_the_reference_words(bits: int) -> None:
+    """The MLX packer writes the numpy reference's words, for every width, leading axes and codes at both ends."""
+    rng = np.random.default_rng(10 + bits)
+    codes = rng.integers(0, 1 << bits, size=(3, 4, 192)).astype(np.uint8)
+    codes[0, 0] = (1 << bits) - 1  # every bit set: a code crossing a word boundary must land in both words
+    codes[0, 1] = 0
+    got = pack_codes_mx(codes, bits)
+    assert got.dtype == mx.uint32 and got.shape == (3, 4, 192 * bits // 32)
+    assert np.array_equal(np.array(got), pack_codes(codes, bits))
+    assert np.array_equal(np.array(pack_codes_mx(mx.array(codes.astype(np.float32)), bits)), pack_codes(codes, bits))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_codes_mx(codes[..., :40], bits)
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
