@@ -447,6 +447,27 @@ def test_spans_of_blocks_give_the_one_block_at_a_time_result(monkeypatch, layer)
             assert _out_err(x, w, results[span, desc]) == pytest.approx(_out_err(x, w, base), rel=1e-3)
 
 
+def test_sub_blocks_give_the_column_by_column_result(monkeypatch, layer):
+    """Within a block, columns update each other one by one only inside sub-blocks; a sub-block's errors reach the
+    rest of the block in one product. Sub-blocks of 24 columns cut groups of 32 chosen as their columns come up, so
+    they also end at each group's first column: the same quantization up to float rounding."""
+    import mlx_dq.gptq as gq
+
+    w, x, gram = layer
+    assert gq._sub_blocks(0, 64, None) == [16, 32, 48, 64]
+    assert gq._sub_blocks(64, 128, np.array([0, 32, 64, 96, 128])) == [80, 96, 112, 128]
+    results = {}
+    for sub in (128, 24, 1):  # the whole block column by column (no products), sub-blocks across groups, none
+        monkeypatch.setattr(gq, "SUB_COLUMNS", sub)
+        for desc in ("1.0:3b_32g", "0.25:4b_32g/0.75:3b_32g"):
+            results[sub, desc] = np.array(gptq_quantize(w, QuantOption.parse(desc), gram, block_size=64).dequantize())
+    for desc in ("1.0:3b_32g", "0.25:4b_32g/0.75:3b_32g"):
+        base = results[128, desc]
+        for sub in (24, 1):
+            assert np.mean(results[sub, desc] != base) < 0.005, (sub, desc)
+            assert _out_err(x, w, results[sub, desc]) == pytest.approx(_out_err(x, w, base), rel=1e-3)
+
+
 def test_singular_gram_gets_more_damping_and_the_factor_stays_right(monkeypatch):
     """A rank-deficient Gram without damping is not positive definite: the blocked factorisation fails part way,
     the buffer is rebuilt from the Gram with added damping, and U^T U is the inverse of that damped matrix."""
