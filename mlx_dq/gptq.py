@@ -304,43 +304,36 @@ def _candidate_parts(w: mx.array, s16: mx.array, b16: mx.array, n_bins: mx.array
 
 @mx.compile
 def _codes(w: mx.array, s16: mx.array, b16: mx.array, n_bins: mx.array) -> mx.array:
-    """The codes of :func:`_candidate_error` (0 in zero-scale groups)."""
+    """The codes of :func:`_candidate_error_only` (0 in zero-scale groups)."""
     q, _, _, keep = _candidate_parts(w, s16, b16, n_bins)
     return q * keep
 
 
 @mx.compile
-def _squared_error(w: mx.array, weight: mx.array, q: mx.array, s16: mx.array, b16: mx.array) -> mx.array:
-    """``weight * (scale*q + bias - w)^2`` per weight."""
-    e = s16.astype(mx.float32)[..., None] * q + b16.astype(mx.float32)[..., None] - w
-    return e * e * weight
-
-
-def _candidate_error(w: mx.array, weight: mx.array, s16: mx.array, b16: mx.array, n_bins: mx.array):
-    """Weighted squared error per group and codes of ``w`` [..., G, g] for fp16 ``s16``/``b16`` [..., G].
-
-    Two single-output compiled kernels and a plain reduction: on MLX's CPU backend one compiled
-    function returning both took twice as long (same values)."""
-    q = _codes(w, s16, b16, n_bins)
-    return _squared_error(w, weight, q, s16, b16).sum(-1), q
-
-
-@mx.compile
 def _candidate_error_only(w: mx.array, weight: mx.array, s16: mx.array, b16: mx.array, n_bins: mx.array):
-    """The error part of :func:`_candidate_error` alone (no codes written)."""
+    """Weighted squared error per group of ``w`` [..., G, g] for fp16 ``s16``/``b16`` [..., G] (codes not written;
+    :func:`_codes` gives them)."""
     q, s, b, _ = _candidate_parts(w, s16, b16, n_bins)
     e = s * q + b - w
     return (e * e * weight).sum(-1)
 
 
-def _weighted_lsq(w: mx.array, weight: mx.array, q: mx.array, s16: mx.array, b16: mx.array):
-    """Per-group (scale, bias) minimising ``sum weight*(w - scale*q - bias)^2`` for fixed codes ``q``.
+def _fixed_sums(w: mx.array, weight: mx.array) -> tuple[mx.array, mx.array]:
+    """Per group ``sum weight`` and ``sum weight*w``: the parts of :func:`_weighted_lsq` the codes do not change."""
+    wt = mx.broadcast_to(weight, w.shape)
+    return wt.sum(-1), (wt * w).sum(-1)
+
+
+def _weighted_lsq(w: mx.array, weight: mx.array, q: mx.array, s16: mx.array, b16: mx.array,
+                  fixed: tuple[mx.array, mx.array] | None = None):
+    """Per-group (scale, bias) minimising ``sum weight*(w - scale*q - bias)^2`` for fixed codes ``q``;
+    ``fixed``: :func:`_fixed_sums` when already made (each refit of one call shares them).
 
     Not compiled: MLX's CPU backend ran the compiled five-reduction graph 1.5x slower (same values)."""
     wt = mx.broadcast_to(weight, w.shape)
     wq = wt * q
-    sd, sq = wt.sum(-1), wq.sum(-1)
-    sqq, sw, sqw = (wq * q).sum(-1), (wt * w).sum(-1), (wq * w).sum(-1)
+    sd, sw = _fixed_sums(w, weight) if fixed is None else fixed
+    sq, sqq, sqw = wq.sum(-1), (wq * q).sum(-1), (wq * w).sum(-1)
     det = sd * sqq - sq * sq
     ok = det > 1e-9 * mx.maximum(sd * sqq, 1e-30)
     s_ls = mx.where(ok, (sd * sqw - sq * sw) / mx.where(ok, det, 1.0), s16.astype(mx.float32))
@@ -403,9 +396,10 @@ def refine_group_params(
         best_b = mx.where(better, mx.take_along_axis(b16, first, axis=0)[0], best_b)
         best_err = mx.where(better, least, best_err)
     mx.eval(best_s, best_b, best_err)
+    fixed = _fixed_sums(w, wt) if refits else None
     for _ in range(refits):
-        best_q = _candidate_error(w, wt, best_s, best_b, n_bins)[1]
-        consider(*_weighted_lsq(w, wt, best_q, best_s, best_b))
+        best_q = _codes(w, best_s, best_b, n_bins)
+        consider(*_weighted_lsq(w, wt, best_q, best_s, best_b, fixed))
         mx.eval(best_s, best_b, best_err)
     return best_s, best_b
 
@@ -439,6 +433,7 @@ def choose_group_params(
             metric="diag",
             factors=default_clip_factors(bits) if clip else (),
             dtype=mx.float16,
+            codes=False,  # the scales and biases alone: GPTQ rounds the updated weights itself
         )
         s, b = res.scales, res.biases
         if weighted:
@@ -714,10 +709,10 @@ def _sub_blocks(b0: int, b1: int, group_starts: np.ndarray | None) -> list[int]:
 
 
 def _pending_columns(ws: np.ndarray, porder: np.ndarray, bg: int) -> mx.array:
-    """GPTQ's columns ``ws`` (``[B, R, k]``, storage order) in processing order ``porder`` as MLX's ``[bg, k, B/bg * R]``:
-    for one shared factor (``bg`` 1) the banks side by side in each column, else one bank per factor. The banks of
-    several options of one weight are one weight broadcast: its columns are gathered once and repeated
-    (``np.take``: four times faster than fancy indexing along the last axis here)."""
+    """GPTQ's columns ``ws`` (``[B, R, k]``, storage order) in processing order ``porder`` as MLX's
+    ``[bg, k, B/bg * R]``: for one shared factor (``bg`` 1) the banks side by side in each column, else one bank per
+    factor. The banks of several options of one weight are one weight broadcast: its columns are gathered once and
+    repeated (``np.take``: four times faster than fancy indexing along the last axis here)."""
     nb, rows, _ = ws.shape
     if bg > 1 or nb == 1:
         return mx.array(np.take(ws, porder, axis=2)).transpose(0, 2, 1)  # read as a transposed view: one copy

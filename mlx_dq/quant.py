@@ -410,7 +410,7 @@ class ClipResult:
 
     scales: mx.array  # [B, R, groups], stored dtype
     biases: mx.array
-    codes: mx.array  # [B, R, groups, g], float32 integers
+    codes: mx.array | None  # [B, R, groups, g], float32 integers (None when not asked for)
     factor: mx.array  # [B, R, groups] chosen shrink factor (0 marks plain MLX rounding)
     err: mx.array  # [B, R, groups] optimised error of the chosen candidate
     base_err: mx.array  # same error for plain mx.quantize
@@ -443,6 +443,7 @@ def clip_search(
     factors: Sequence[float] = DEFAULT_CLIP_FACTORS,
     dtype: mx.Dtype = mx.float16,
     rules: Sequence[str] = CLIP_RULES,
+    codes: bool = True,
 ) -> ClipResult:
     """Per group, pick the shrunken range ``[f*min, f*max]`` (towards zero) with the least error.
 
@@ -455,7 +456,8 @@ def clip_search(
     ``weight`` the output of :func:`gram_weights` (None: plain squared error).
     Plain MLX rounding is always a candidate, so the chosen error never
     exceeds that of ``mx.quantize``. Codes are computed against the rounded
-    stored scales, so the stored triple dequantizes to what was scored.
+    stored scales, so the stored triple dequantizes to what was scored. ``codes=False`` skips the codes and the
+    clipped count (None and 0) for a caller that wants the scales and biases alone.
     """
     bad = [r for r in rules if r not in CLIP_RULES]
     if bad:
@@ -465,7 +467,7 @@ def clip_search(
     err_fn = _error_fn(n_bins, dtype, metric, weight is not None, int(w.shape[-1]))
     extra = () if weight is None else (weight,)
     if metric == "diag" or weight is None:
-        return _clip_search_batched(w, target, extra, bits, n_bins, factors, rules, dtype, err_fn)
+        return _clip_search_batched(w, target, extra, bits, n_bins, factors, rules, dtype, err_fn, codes)
     wmin, wmax = w.min(-1), w.max(-1)
     scale, bias = affine_params(wmin, wmax, bits)
     best_s, best_b = scale.astype(dtype), bias.astype(dtype)
@@ -490,9 +492,11 @@ def clip_search(
         best_err, best_f = mx.where(better, err, best_err), mx.where(better, f, best_f)
         best_lo, best_hi = mx.where(better, lo, best_lo), mx.where(better, hi, best_hi)
         mx.eval(best_s, best_b, best_cs, best_err, best_f, best_lo, best_hi)
-    codes = mx.clip(mx.round((w - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
+    if not codes:
+        return ClipResult(best_s, best_b, None, best_f, best_err, base_err, 0)
+    q = mx.clip(mx.round((w - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
     outside = (w < best_lo[..., None]) | (w > best_hi[..., None])
-    return ClipResult(best_s, best_b, codes, best_f, best_err, base_err, int(outside.sum().item()))
+    return ClipResult(best_s, best_b, q, best_f, best_err, base_err, int(outside.sum().item()))
 
 
 BATCH_ELEMENTS = 1 << 22  # candidate x weight elements scored per evaluation by the batched clip search
@@ -508,6 +512,7 @@ def _clip_search_batched(
     rules: Sequence[str],
     dtype: mx.Dtype,
     err_fn,
+    want_codes: bool = True,
 ) -> ClipResult:
     """:func:`clip_search` with every candidate scored in one batched computation (candidates on a new axis).
 
@@ -556,19 +561,22 @@ def _clip_search_batched(
         def pick(a: mx.array) -> mx.array:
             return mx.take_along_axis(a, idx, axis=0)[0]
 
-        best_b, best_cs = pick(b_all), pick(cs_all)
-        codes = mx.clip(mx.round((wc - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]), 0.0, n_bins)
-        outside = (wc < pick(lo_all)[..., None]) | (wc > pick(hi_all)[..., None])
-        chosen = {"s": pick(s_all), "b": best_b, "err": pick(err_all), "base": base_err, "f": fs[idx[0]],
-                  "codes": codes}
-        n_out = outside.sum()
-        mx.eval(*chosen.values(), n_out)
-        clipped += int(n_out.item())
+        best_b = pick(b_all)
+        chosen = {"s": pick(s_all), "b": best_b, "err": pick(err_all), "base": base_err, "f": fs[idx[0]]}
+        if want_codes:
+            best_cs = pick(cs_all)
+            chosen["codes"] = mx.clip(mx.round((wc - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]),
+                                      0.0, n_bins)
+            n_out = ((wc < pick(lo_all)[..., None]) | (wc > pick(hi_all)[..., None])).sum()
+            mx.eval(*chosen.values(), n_out)
+            clipped += int(n_out.item())
+        else:
+            mx.eval(*chosen.values())
         for k, v in chosen.items():
             out[k].append(v)
 
-    def cat(k: str) -> mx.array:
-        return out[k][0] if len(out[k]) == 1 else mx.concatenate(out[k], axis=1)
+    def cat(k: str) -> mx.array | None:
+        return None if not out[k] else out[k][0] if len(out[k]) == 1 else mx.concatenate(out[k], axis=1)
 
     return ClipResult(cat("s"), cat("b"), cat("codes"), cat("f"), cat("err"), cat("base"), clipped)
 
