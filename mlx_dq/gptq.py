@@ -712,12 +712,18 @@ def _pending_columns(ws: np.ndarray, porder: np.ndarray, bg: int) -> mx.array:
     """GPTQ's columns ``ws`` (``[B, R, k]``, storage order) in processing order ``porder`` as MLX's
     ``[bg, k, B/bg * R]``: for one shared factor (``bg`` 1) the banks side by side in each column, else one bank per
     factor. The banks of several options of one weight are one weight broadcast: its columns are gathered once and
-    repeated (``np.take``: four times faster than fancy indexing along the last axis here)."""
-    nb, rows, _ = ws.shape
+    repeated (``np.take``: four times faster than fancy indexing along the last axis here; none in the stored order,
+    which MLX's own copy already gives)."""
+    nb, rows, k = ws.shape
+    natural = np.array_equal(porder, np.arange(k))
+
+    def ordered(a: np.ndarray) -> np.ndarray:
+        return a if natural else np.take(a, porder, axis=-1)
+
     if bg > 1 or nb == 1:
-        return mx.array(np.take(ws, porder, axis=2)).transpose(0, 2, 1)  # read as a transposed view: one copy
+        return mx.array(ordered(ws)).transpose(0, 2, 1)  # read as a transposed view: one copy
     one = ws.strides[0] == 0  # np.broadcast_to of one weight
-    cols = mx.array(np.take(ws[0] if one else ws, porder, axis=-1))  # [R, k] or [B, R, k]
+    cols = mx.array(ordered(ws[0] if one else ws))  # [R, k] or [B, R, k]
     cols = mx.broadcast_to(cols.T[:, None, :], (cols.shape[-1], nb, rows)) if one else cols.transpose(2, 0, 1)
     return mx.contiguous(cols.reshape(cols.shape[0], nb * rows))[None]
 

@@ -512,7 +512,7 @@ def _clip_search_batched(
     rules: Sequence[str],
     dtype: mx.Dtype,
     err_fn,
-    want_codes: bool = True,
+    codes: bool = True,
 ) -> ClipResult:
     """:func:`clip_search` with every candidate scored in one batched computation (candidates on a new axis).
 
@@ -563,7 +563,7 @@ def _clip_search_batched(
 
         best_b = pick(b_all)
         chosen = {"s": pick(s_all), "b": best_b, "err": pick(err_all), "base": base_err, "f": fs[idx[0]]}
-        if want_codes:
+        if codes:
             best_cs = pick(cs_all)
             chosen["codes"] = mx.clip(mx.round((wc - best_b.astype(mx.float32)[..., None]) / best_cs[..., None]),
                                       0.0, n_bins)
@@ -797,7 +797,7 @@ def promote_to_uniform(qt: QuantizedTensor) -> QuantizedTensor:
         codes.append(unpack_codes(w, nb, k))
         scales.append(mx.repeat(s, g // group, axis=-1))
         biases.append(mx.repeat(b, g // group, axis=-1))
-    packed = mx.array(pack_codes(np.concatenate(codes, axis=-1), bits))
+    packed = pack_codes_mx(np.concatenate(codes, axis=-1), bits)
     stats = dict(qt.stats, promoted_from=qt.option.desc)
     out = QuantizedTensor(QuantOption.uniform(bits, group), qt.shape, stats=stats, out_sq=qt.out_sq)  # same values
     out.parts = [(packed, mx.concatenate(scales, axis=-1), mx.concatenate(biases, axis=-1))]

@@ -135,10 +135,9 @@ def map_ahead(fn: Callable[[Any], T], items: Sequence[Any], n_workers: int | Non
     _numpy_blas_one_thread()
     with ThreadPoolExecutor(max_workers=n) as pool:
         pending = deque(pool.submit(call, it) for it in items[:n])
-        for it in list(items[n:]) + [None]:
+        for it in items[n:]:  # one more submitted as each result is taken: at most n ahead
             out = pending.popleft().result()
-            if it is not None:
-                pending.append(pool.submit(call, it))
+            pending.append(pool.submit(call, it))
             yield out
         while pending:
             yield pending.popleft().result()
