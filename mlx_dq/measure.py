@@ -108,6 +108,7 @@ from .grids import load_grid
 from .names import layer_index, role_of
 from .gptq import FactoredGram, can_consume, consume_gram
 from .quant import QuantizedTensor, exact_sums, output_error, quantize_weight, relative_error
+from .replay import record_calls, replay
 from .quantize import (METHODS, join_rows, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
                        block_budget, quantized_blocks, row_blocks, tensor_work)
 from .safety import check_finite_weight
@@ -536,9 +537,12 @@ def residual_importance(
     The change is divided by :func:`robust_energy` of the layer's output.
     Returns ``{path: {"damage", "err", "importance"}}`` with ``importance =
     damage / err**2``, both measured on the rows ``h``.
+
+    Each rerun reuses the submodule calls made before the changed tensor's (:mod:`mlx_dq.replay`): the same
+    values, a fraction of the work for the later tensors of a layer.
     """
     args, kwargs = call
-    with GramCollector(mods, expert_mode) as col:
+    with GramCollector(mods, expert_mode) as col, record_calls(layer, [mods[p] for p in refs]) as log:
         ref = layer(h, *args, **kwargs)
         mx.eval(ref)
         inputs = col.take_inputs()  # plain linear layers: their error from the inputs, no Gram (in x in) needed
@@ -550,7 +554,8 @@ def residual_importance(
         w = mod.weight
         mod.weight = wq = ref_qt.dequantize(ref_qt.dtype)  # exact, not the layer's dtype (bfloat16 would round it)
         try:
-            y = layer(h, *args, **kwargs)
+            with replay(layer, log, mod) if id(mod) in log.reuse else contextlib.nullcontext():
+                y = layer(h, *args, **kwargs)
             damage = exact_sums((y - ref) ** 2)[0] / energy
         finally:
             mod.weight = w

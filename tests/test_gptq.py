@@ -566,3 +566,30 @@ def test_factor_finiteness_is_checked_by_row_chunks(monkeypatch):
         b = a.copy()
         b[idx] = np.nan if idx[2] % 2 else np.inf
         assert not gptq._all_finite(b)
+
+
+def test_level_tables_give_the_fp16_steps_values(monkeypatch):
+    """The column loop's looked-up dequantized levels are mx.dequantize's fp16 arithmetic, bit for bit: the same
+    codes and values with the tables as without (budget 0), for act-ordered uniform options of several widths
+    batched, mixed options (one group's table at a time) and zero-scale groups (an all-zero group of columns)."""
+    import mlx_dq.gptq as gq
+
+    w, x = _problem(48, 256, 600, 11)
+    w[:, 64:96] = 0.0  # groups of 32 whose scale is 0
+    gram = x.T @ x
+    s = np.array([[0.0, 0.01, 0.3], [1e-4, 2.5, 0.07]], dtype=np.float16).astype(np.float32)
+    b = np.array([[-0.5, 0.2, -1.0], [3.0, -0.001, 0.0]], dtype=np.float16).astype(np.float32)
+    table, offset = gq._level_table(s, b, np.array([4, 16]))
+    for bank, n in ((0, 4), (1, 16)):
+        for code in range(n):
+            want = ((s[bank] * np.float32(code)).astype(np.float16).astype(np.float32) + b[bank]).astype(np.float16)
+            assert np.array_equal(table[offset[bank] + code], want)
+    for descs in (["1.0:2b_32g", "1.0:4b_32g", "1.0:8b_32g"], ["0.25:5b_32g/0.75:3b_32g", "0.5:3b_32g/0.5:2b_32g"]):
+        opts = [QuantOption.parse(d) for d in descs]
+        got = {}
+        for budget in (gq.LEVEL_TABLE_BYTES, 0):
+            monkeypatch.setattr(gq, "LEVEL_TABLE_BYTES", budget)
+            got[budget] = [(np.array(qt.dequantize()), np.array(qt.parts[0][0]))
+                           for qt in gptq_quantize_many(w, opts, gram, error_stats=False)]
+        for (dq_t, codes_t), (dq_f, codes_f) in zip(got[gq.LEVEL_TABLE_BYTES], got[0]):
+            assert np.array_equal(dq_t, dq_f) and np.array_equal(codes_t, codes_f), descs
