@@ -130,7 +130,7 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
               help="Quantizer whose errors are measured: gptq (error compensation, what convert does by default) "
                    "or rtn (rounding; about 3x faster).")
 @click.option("--clip/--no-clip", default=_M.clip,
-              help="Measure with the per-group clip search [default: on with gptq, off with rtn].")
+              help="Measure with the clip candidates in the scale search [default: off; convert clips either way].")
 @click.option("--kl-scale/--no-kl-scale", default=_M.kl_scale, show_default=True,
               help="Scale importance to KL divergence (a few perturbed copies carried to the logits) and measure "
                    "the head's options end to end.")
@@ -153,7 +153,7 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
     from mlx_dq.safety import guard_output_file
 
     cost = dict(rows=rows, seq_len=seq_len, grid=grid, method=method, kl_scale=kl_scale and importance == "residual",
-                sample_rows=sample_rows)
+                sample_rows=sample_rows, clip=bool(clip))
     if estimate:
         _print_estimate(model_spec, flops, "measure", **cost)
         return

@@ -33,7 +33,7 @@ TENSOR_S = 0.15  # per tensor overhead of convert
 JSON_BYTES_PER_OPTION = 600  # measurement JSON per (tensor, option)
 QUANT_COPIES = 6  # float32 copies of the largest block of rows alive while it is quantized (GPTQ working arrays)
 CLIP_SEARCH_BYTES = 3 * 4 * BATCH_ELEMENTS  # the batched clip search's live float32 candidate arrays (one row chunk):
-# GPTQ's scale search and the converter's rounding use it
+# the converter's scale search (GPTQ) and rounding use it, a measurement only with --clip
 
 
 @dataclass
@@ -154,8 +154,9 @@ def _fitting(grid: dict, path: str, in_f: int) -> list:
 
 def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: Any = None, method: str = "gptq",
                      importance_rows: int = 4, kl_scale: bool = True, sample_rows: int | None = None,
-                     flops: float | None = None) -> Estimate:
-    """Predicted cost of :func:`mlx_dq.measure.measure` with these settings (shapes only)."""
+                     flops: float | None = None, clip: bool = False) -> Estimate:
+    """Predicted cost of :func:`mlx_dq.measure.measure` with these settings (shapes only); ``clip``: the clip
+    candidates searched (their batched arrays held)."""
     from .grids import load_grid
     from .measure import HEAD_SAMPLE_FACTOR, KL_SAMPLE_LAYERS, REF_CACHE_BYTES
     from .quantize import row_blocks
@@ -216,7 +217,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     one_block = [_numel(s) for _, s in heads if row_blocks(s) is None]
     if kl_scale and one_block:  # a head of one row block: its KL swaps in a whole dequantized float32 copy
         head_extra += 4 * max(one_block)
-    peak = BASE_RSS + states + max(_probe_bytes(other, lookup_only), (CLIP_SEARCH_BYTES if method == "gptq" else 0)
+    peak = BASE_RSS + states + max(_probe_bytes(other, lookup_only), (CLIP_SEARCH_BYTES if clip else 0)
                                    + _stage_peak(layers, other, biggest_layer, other_f32 + logits + head_extra, method,
                                                  held[0]))  # RTN: options per Gram block
     disk = 4 * tokens * hidden + 4 * KL_STATE * imp * hidden + JSON_BYTES_PER_OPTION * n_meas  # state + JSON

@@ -74,4 +74,5 @@ def test_unknown_or_bad_settings_are_refused():
         QuantizeSettings().with_options(method="awq")
     with pytest.raises(ValueError, match="importance"):
         MeasureSettings().with_options(importance="loud")
-    assert MeasureSettings(method="rtn").resolved_clip is False and MeasureSettings().resolved_clip is True
+    assert MeasureSettings(method="rtn").resolved_clip is False and MeasureSettings().resolved_clip is False
+    assert MeasureSettings(clip=True).resolved_clip is True
