@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 Key = tuple[int, int]  # (id of the submodule, its n-th call in one forward)
 
@@ -93,7 +93,7 @@ def record_calls(root: nn.Module, targets: Iterable[nn.Module]) -> Iterator[Call
                 stack.pop()
             log.span[key] = (start, pos[0])
             pos[0] += 1
-            log.outputs[key] = out
+            log.outputs[key] = _fresh(out)  # not the caller's object, which it may assign into
             for k in log.inside[key]:  # its own calls are covered by it from now on
                 if k not in needed:
                     log.outputs.pop(k, None)
@@ -118,6 +118,13 @@ def _covered(log: CallLog, ended: list[Key]) -> set[Key]:
     return {k for e in ended for k in log.inside.get(e, ())}
 
 
+def _fresh(out: Any) -> Any:
+    """``out`` with each array a new array object on the same buffer (a reshape to its own shape, no copy): a model
+    that assigns into an output in place (``y[..., i] = v`` changes that array object for every holder) leaves the
+    recorded one as it was."""
+    return tree_map(lambda v: v.reshape(v.shape) if isinstance(v, mx.array) else v, out)
+
+
 @contextlib.contextmanager
 def replay(root: nn.Module, log: CallLog, target: nn.Module) -> Iterator[None]:
     """Inside, a forward of ``root`` returns the recorded output of every call ``log`` keeps for ``target``
@@ -134,7 +141,7 @@ def replay(root: nn.Module, log: CallLog, target: nn.Module) -> Iterator[None]:
             if key in reuse:
                 for k in log.inside[key]:  # its own calls are skipped with it: their counts move on too
                     counts[k[0]] += 1
-                return log.outputs[key]
+                return _fresh(log.outputs[key])
             return base.__call__(self, *args, **kwargs)
 
         return call
