@@ -605,7 +605,8 @@ def gptq_core(
     u_mx = factor.u_mx
     codes = np.zeros((nb, k, rows), dtype=np.uint8)
     assumed = np.zeros((nb, k, rows), dtype=np.float32)
-    sp_of = porder
+    sp_of, gid_of = porder.tolist(), gid.tolist()  # Python ints: the column loop indexes with them, no numpy scalars
+    first_of_group = set(g_start.tolist())
     clipped = np.zeros(nb, dtype=np.int64) if per_bank else 0
     group_cache: dict[int, tuple] = {}  # float32 views of a group's final parameters, made once per group
 
@@ -629,6 +630,7 @@ def gptq_core(
     scratch = np.empty((bg, widest, wide), dtype=np.float32)
     outside = np.empty((nb, widest, rows), dtype=bool)  # a block's weights outside their group's range, counted once
     esq = np.zeros((bg, wide), dtype=np.float64)  # sum of GPTQ's scaled errors e^2 per row
+    raw_buf, q_buf = np.empty((nb, rows), dtype=np.float32), np.empty((nb, rows), dtype=np.float32)
     # blocks in spans of about SPAN_COLUMNS: a block's errors update the rest of its span at once, a span's errors the
     # columns beyond it, so the remaining columns are rewritten once a span, not once a block
     spans = [0]
@@ -648,18 +650,19 @@ def gptq_core(
         cuts = iter(_sub_blocks(b0, b1, None if static_groups else g_start))
         c0, c1 = b0, next(cuts)
         for p in range(b0, b1):
-            sp = int(sp_of[p])
-            g = int(gid[sp])
-            if not static_groups and sp == g_start[g]:
+            sp = sp_of[p]
+            g = gid_of[sp]
+            if not static_groups and sp in first_of_group:
                 gsz = groups[g][1]
                 params_for(wt_[:, p - b0 : p - b0 + gsz, :].reshape(bg, gsz, nb // bg, rows).transpose(0, 2, 3, 1)
                            .reshape(nb, rows, gsz), g, 1, gsz)
             s, bi, safe, zero, qm, table, offset = group_params(g)
             col = wt_[:, p - b0, :].reshape(nb, rows)
-            # same values as codes_f16 / dequant_f16, with the division done once and the parameters converted once
-            raw = np.rint((col - bi) / safe)
-            q = np.minimum(np.maximum(raw, 0.0), qm)  # np.clip's values, without its Python-level dispatch
-            out = np.logical_or(raw < 0, raw > qm, out=outside[:, p - b0])
+            # same values as codes_f16 / dequant_f16, with the division done once and the parameters converted once;
+            # into reused buffers (at 256-row banks the calls, not the arithmetic, are most of the time)
+            raw = np.rint(np.divide(np.subtract(col, bi, out=raw_buf), safe, out=raw_buf), out=raw_buf)
+            q = np.minimum(np.maximum(raw, 0.0, out=q_buf), qm, out=q_buf)  # np.clip's values, without its dispatch
+            out = np.not_equal(q, raw, out=outside[:, p - b0])  # rounded outside the range (weights are finite)
             if zero is not None:
                 q[zero] = 0.0
                 out &= ~zero
@@ -673,11 +676,11 @@ def gptq_core(
                 dq = ((s * q).astype(np.float16).astype(np.float32) + bi).astype(np.float16).astype(np.float32)
                 codes[:, sp, :] = q
                 assumed[:, sp, :] = dq
-            e = ((col - dq).reshape(bg, -1, rows) / u[:, p, p].reshape(bg, 1, 1)).reshape(bg, wide)
+            e = err[:, p - b0, :]  # this column's scaled errors, written in place
+            np.divide(np.subtract(wt_[:, p - b0, :], dq.reshape(bg, wide), out=e), u[:, p, p, None], out=e)
             if p + 1 < c1:  # rank-1 update of the sub-block's remaining columns, through a reused buffer
                 upd = np.multiply(u[:, p, p + 1 : c1, None], e[:, None, :], out=scratch[:, : c1 - p - 1])
                 np.subtract(wt_[:, p + 1 - b0 : c1 - b0, :], upd, out=wt_[:, p + 1 - b0 : c1 - b0, :])
-            err[:, p - b0, :] = e
             if p + 1 == c1 < b1:  # the sub-block's errors update the rest of the block in one product
                 upd = np.matmul(u[:, c0:c1, c1:b1].transpose(0, 2, 1), err[:, c0 - b0 : c1 - b0],
                                 out=scratch[:, : b1 - c1])
