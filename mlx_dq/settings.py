@@ -114,9 +114,9 @@ class MeasureSettings(_Settings):
         """The clip search actually used: as given, else off.
 
         Why off for GPTQ too: GPTQ's weighted scale search still runs, and the clip candidates were about half of
-        its work (a 20-option batch of 256 x 4,096 rows: 6.3 -> 4.4 s). SmolLM2-135M converted at 3.5 bpw from a
-        measurement without them had a lower KL on all three bundled texts (pydoc 0.3590 -> 0.3554,
-        shakespeare 0.4550 -> 0.4366, dialog 0.3790 -> 0.3418; benchmarks/results/scale.md)."""
+        its work (a 20-option batch of 256 x 4,096 rows: 6.3 -> 4.4 s). The README's SmolLM2-135M conversion at 3.5
+        bpw kept its KL within noise: pydoc 0.3590 -> 0.3596, shakespeare 0.4550 -> 0.4615, dialog 0.3790 -> 0.3588,
+        mean 0.3977 -> 0.3933 (benchmarks/results/scale.md)."""
         return False if self.clip is None else bool(self.clip)
 
     @property
