@@ -673,7 +673,7 @@ def gptq_core(
                 assumed[:, sp, :] = np.take(table, qi)
                 dq = assumed[:, sp, :]
             else:
-                dq = ((s * q).astype(np.float16).astype(np.float32) + bi).astype(np.float16).astype(np.float32)
+                dq = dequant_f16(q, s, bi)
                 codes[:, sp, :] = q
                 assumed[:, sp, :] = dq
             e = err[:, p - b0, :]  # this column's scaled errors, written in place
@@ -712,7 +712,8 @@ def _level_table(s: np.ndarray, b: np.ndarray, levels: np.ndarray) -> tuple[np.n
     of the fp16 scales and biases; ``levels``: codes per bank, ``[B]``).
 
     Why: GPTQ's column loop dequantized each column through four fp16 conversions, the largest numpy cost of a
-    measurement after the loop itself; the lookup gives the same values (every fp16 value is a float32 one)."""
+    measurement after the loop itself; the lookup gives :func:`dequant_f16`'s values (every fp16 value is a float32
+    one)."""
     nb, rows = s.shape
     sizes = rows * levels.astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -721,7 +722,7 @@ def _level_table(s: np.ndarray, b: np.ndarray, levels: np.ndarray) -> tuple[np.n
     for n in np.unique(levels):
         banks = np.flatnonzero(levels == n)
         code = np.arange(int(n), dtype=np.float32)
-        vals = ((s[banks, :, None] * code).astype(np.float16).astype(np.float32) + b[banks, :, None]).astype(np.float16)
+        vals = dequant_f16(code, s[banks, :, None], b[banks, :, None]).astype(np.float16)
         for i, bank in enumerate(banks):
             table[starts[bank]: starts[bank] + sizes[bank]] = vals[i].reshape(-1)
     return table, offset

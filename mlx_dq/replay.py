@@ -3,7 +3,7 @@
 A deterministic forward calls its submodules in the same order every time. When only submodule ``T`` changes
 (its weight quantized), every submodule call that *ended* before ``T``'s first call began saw exactly the same
 inputs as before, so its recorded output can stand in for running it again. :func:`record_calls` records one
-forward's calls (start and end order, outputs of the calls some later target may reuse); :func:`replay`
+forward's calls (which calls each made, the outputs of the calls some target may reuse); :func:`replay`
 then makes each such call return its recorded output, on any ``nn.Module``.
 
 Why: the residual importance reruns a decoder layer once per tensor; for a Llama MLP's ``down_proj`` the
@@ -27,9 +27,8 @@ Key = tuple[int, int]  # (id of the submodule, its n-th call in one forward)
 
 @dataclass
 class CallLog:
-    """One forward's submodule calls: start/end positions, the descendants of each call and the kept outputs."""
+    """One forward's submodule calls: the descendants of each call, the kept outputs and what each target reuses."""
 
-    span: dict[Key, tuple[int, int]] = field(default_factory=dict)  # key -> (start, end) event positions
     inside: dict[Key, list[Key]] = field(default_factory=dict)  # key -> the calls made during it
     outputs: dict[Key, Any] = field(default_factory=dict)
     reuse: dict[int, list[Key]] = field(default_factory=dict)  # target id -> the outermost calls ended before it
@@ -69,9 +68,9 @@ def record_calls(root: nn.Module, targets: Iterable[nn.Module]) -> Iterator[Call
 
     Outputs no target reuses are dropped as their enclosing call ends, so what stays is about what the forward
     holds anyway at each target's start. Run one forward inside."""
-    log, counts, stack, ended = CallLog(), defaultdict(int), [], []
+    log, counts, stack = CallLog(), defaultdict(int), []
     target_ids = {id(t) for t in targets}
-    pos = [0]
+    outer: list[Key] = []  # the ended calls not made inside another ended call, in order
     needed: set[Key] = set()
 
     def make_call(base: type):
@@ -79,10 +78,8 @@ def record_calls(root: nn.Module, targets: Iterable[nn.Module]) -> Iterator[Call
             key = (id(self), counts[id(self)])
             counts[id(self)] += 1
             if id(self) in target_ids and id(self) not in log.reuse:
-                log.reuse[id(self)] = outer = [k for k in ended if k not in _covered(log, ended)]
+                log.reuse[id(self)] = list(outer)
                 needed.update(outer)
-            start = pos[0]
-            pos[0] += 1
             for k in stack:
                 log.inside[k].append(key)
             log.inside[key] = []
@@ -91,13 +88,11 @@ def record_calls(root: nn.Module, targets: Iterable[nn.Module]) -> Iterator[Call
                 out = base.__call__(self, *args, **kwargs)
             finally:
                 stack.pop()
-            log.span[key] = (start, pos[0])
-            pos[0] += 1
             log.outputs[key] = _fresh(out)  # not the caller's object, which it may assign into
-            for k in log.inside[key]:  # its own calls are covered by it from now on
-                if k not in needed:
-                    log.outputs.pop(k, None)
-            ended.append(key)
+            mine = set(log.inside[key])  # its own calls are covered by it from now on
+            outer[:] = [k for k in outer if k not in mine] + [key]
+            for k in mine - needed:
+                log.outputs.pop(k, None)
             return out
 
         return call
@@ -111,11 +106,6 @@ def record_calls(root: nn.Module, targets: Iterable[nn.Module]) -> Iterator[Call
             del log.outputs[k]
         arrays = [v for k in log.outputs for _, v in tree_flatten(log.outputs[k]) if isinstance(v, mx.array)]
         mx.eval(arrays)
-
-
-def _covered(log: CallLog, ended: list[Key]) -> set[Key]:
-    """The ended calls made inside another ended call."""
-    return {k for e in ended for k in log.inside.get(e, ())}
 
 
 def _fresh(out: Any) -> Any:
