@@ -65,7 +65,7 @@ from .quant import (
 )
 
 SPAN_COLUMNS = 1024  # GPTQ's blocks update the columns beyond their span of this many columns once per span
-LEVEL_TABLE_BYTES = 16 * 2**20  # fp16 bytes of the dequantized-level tables GPTQ's column loop holds at once
+LEVEL_TABLE_BYTES = 32 * 2**20  # bytes of the dequantized-level tables (float32) GPTQ's column loop holds at once
 SUB_COLUMNS = 16  # GPTQ's columns update each other one by one within sub-blocks of this many columns
 PARAM_CHUNK = 2**20  # weights per call of the group-parameter search: its candidates' temporaries stay small
 DEFAULT_SHIFTS: tuple[float, ...] = (-0.5, -0.25, 0.25, 0.5)  # bias shifts, in quantization steps
@@ -611,8 +611,9 @@ def gptq_core(
     group_cache: dict[int, tuple] = {}  # float32 views of a group's final parameters, made once per group
 
     levels = np.broadcast_to(1 << g_bits, (nb, len(groups)))  # codes per group and bank
-    table_bytes = 2 * rows * levels.sum(0)  # each group's table of dequantized levels
-    all_tables = static_groups and int(table_bytes.sum()) <= LEVEL_TABLE_BYTES  # act order revisits every group
+    table_bytes = 4 * rows * levels.sum(0)  # each group's table of dequantized levels
+    # act order revisits every group, so static groups keep their tables: the first ones within the budget
+    tabled = (np.cumsum(table_bytes) if static_groups else table_bytes) <= LEVEL_TABLE_BYTES
 
     def group_params(g: int) -> tuple:
         if g not in group_cache:
@@ -621,9 +622,11 @@ def gptq_core(
             sg, bg_ = scales[g].astype(np.float32), biases[g].astype(np.float32)
             zero = sg == 0
             qm = q_max[:, g, None] if per_bank else float(q_max[0, g])  # per bank [B, 1]: float32 like the codes
-            table = _level_table(sg, bg_, levels[:, g]) \
-                if all_tables or not static_groups and table_bytes[g] <= LEVEL_TABLE_BYTES else (None, None)
-            group_cache[g] = (sg, bg_, np.where(zero, np.float32(1.0), sg), zero if zero.any() else None, qm) + table
+            table = _level_table(sg, bg_, levels[:, g]) if tabled[g] else (None, None)
+            # without a table: fp16 rounding in float32 arithmetic (_round_f16) where no value can reach fp16's range
+            small = float(np.max(np.abs(sg) * (q_max[:, g, None] if per_bank else q_max[0, g]) + np.abs(bg_))) < 6e4
+            group_cache[g] = (sg, bg_, np.where(zero, np.float32(1.0), sg), zero if zero.any() else None, qm,
+                              small) + table
         return group_cache[g]
 
     widest = max(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
@@ -631,6 +634,7 @@ def gptq_core(
     outside = np.empty((nb, widest, rows), dtype=bool)  # a block's weights outside their group's range, counted once
     esq = np.zeros((bg, wide), dtype=np.float64)  # sum of GPTQ's scaled errors e^2 per row
     raw_buf, q_buf = np.empty((nb, rows), dtype=np.float32), np.empty((nb, rows), dtype=np.float32)
+    idx_buf, sign_buf = np.empty((nb, rows), dtype=np.int32), np.empty((nb, rows), dtype=np.int32)
     # blocks in spans of about SPAN_COLUMNS: a block's errors update the rest of its span at once, a span's errors the
     # columns beyond it, so the remaining columns are rewritten once a span, not once a block
     spans = [0]
@@ -656,7 +660,10 @@ def gptq_core(
                 gsz = groups[g][1]
                 params_for(wt_[:, p - b0 : p - b0 + gsz, :].reshape(bg, gsz, nb // bg, rows).transpose(0, 2, 3, 1)
                            .reshape(nb, rows, gsz), g, 1, gsz)
-            s, bi, safe, zero, qm, table, offset = group_params(g)
+            s, bi, safe, zero, qm, small, table, offset = group_params(g)
+            if p > c0:  # the sub-block's earlier errors reach this column in one small product
+                corr = np.matmul(u[:, c0:p, p][:, None, :], err[:, c0 - b0 : p - b0], out=scratch[:, :1])
+                np.subtract(wt_[:, p - b0], corr[:, 0], out=wt_[:, p - b0])
             col = wt_[:, p - b0, :].reshape(nb, rows)
             # same values as codes_f16 / dequant_f16, with the division done once and the parameters converted once;
             # into reused buffers (at 256-row banks the calls, not the arithmetic, are most of the time)
@@ -667,20 +674,20 @@ def gptq_core(
                 q[zero] = 0.0
                 out &= ~zero
             if table is not None:  # the dequantized value of each code looked up: 4x faster than the fp16 steps
-                qi = q.astype(np.int32)
-                codes[:, sp, :] = qi
-                qi += offset
-                assumed[:, sp, :] = np.take(table, qi)
+                codes[:, sp, :] = q
+                # straight into place; mode="clip" skips take's bounds check and its buffering of `out`
+                dq = np.take(table, np.add(offset, codes[:, sp, :], out=idx_buf), out=assumed[:, sp, :], mode="clip")
+            elif small:  # dequant_f16's values, rounded to fp16 without conversions (2x faster)
+                codes[:, sp, :] = q
                 dq = assumed[:, sp, :]
+                _round_f16(np.multiply(s, q, out=dq), idx_buf, sign_buf)
+                _round_f16(np.add(dq, bi, out=dq), idx_buf, sign_buf)
             else:
                 dq = dequant_f16(q, s, bi)
                 codes[:, sp, :] = q
                 assumed[:, sp, :] = dq
             e = err[:, p - b0, :]  # this column's scaled errors, written in place
             np.divide(np.subtract(wt_[:, p - b0, :], dq.reshape(bg, wide), out=e), u[:, p, p, None], out=e)
-            if p + 1 < c1:  # rank-1 update of the sub-block's remaining columns, through a reused buffer
-                upd = np.multiply(u[:, p, p + 1 : c1, None], e[:, None, :], out=scratch[:, : c1 - p - 1])
-                np.subtract(wt_[:, p + 1 - b0 : c1 - b0, :], upd, out=wt_[:, p + 1 - b0 : c1 - b0, :])
             if p + 1 == c1 < b1:  # the sub-block's errors update the rest of the block in one product
                 upd = np.matmul(u[:, c0:c1, c1:b1].transpose(0, 2, 1), err[:, c0 - b0 : c1 - b0],
                                 out=scratch[:, : b1 - c1])
@@ -706,23 +713,41 @@ def gptq_core(
     )
 
 
+def _round_f16(x: np.ndarray, bits: np.ndarray, sign: np.ndarray) -> np.ndarray:
+    """Round float32 ``x`` in place to its nearest fp16 value (ties to even), as ``x.astype(np.float16)`` does, for
+    ``|x| < 65520`` (beyond, fp16 gives inf); ``bits``, ``sign``: int32 scratch of ``x``'s shape.
+
+    Adding ``c = ±2^(e+13)`` (``e``: ``x``'s exponent, at least fp16's smallest normal one, -14) leaves float32 one
+    bit per fp16 step of ``x``'s binade, so the sum rounds ``x`` to fp16's grid and ``- c`` is exact. Why: numpy's
+    fp16 conversions cost twice these seven integer and float operations; tested equal on every exponent, tie and
+    subnormal."""
+    xi = x.view(np.int32)
+    np.bitwise_and(xi, 0x7F800000, out=bits)  # the exponent field
+    np.maximum(bits, (127 - 14) << 23, out=bits)  # below fp16's normal range its step is fixed: 2^-24
+    np.add(bits, 13 << 23, out=bits)
+    np.bitwise_or(bits, np.bitwise_and(xi, np.int32(-(2**31)), out=sign), out=bits)  # x's sign
+    c = bits.view(np.float32)
+    return np.subtract(np.add(x, c, out=x), c, out=x)
+
+
 def _level_table(s: np.ndarray, b: np.ndarray, levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One group's dequantized value of every code, per bank and row, as a flat float16 table, and each row's
+    """One group's dequantized value of every code, per bank and row, as a flat float32 table, and each row's
     offset in it: ``table[offset + q]`` is ``mx.dequantize``'s value for code ``q`` (``s``, ``b``: ``[B, R]`` float32
     of the fp16 scales and biases; ``levels``: codes per bank, ``[B]``).
 
     Why: GPTQ's column loop dequantized each column through four fp16 conversions, the largest numpy cost of a
     measurement after the loop itself; the lookup gives :func:`dequant_f16`'s values (every fp16 value is a float32
-    one)."""
+    one). float32, not float16: the loop looks values up straight into its float32 output (5.9 us less a column
+    at 5,120 rows)."""
     nb, rows = s.shape
     sizes = rows * levels.astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    table = np.empty(int(sizes.sum()), dtype=np.float16)
+    table = np.empty(int(sizes.sum()), dtype=np.float32)
     offset = (starts[:, None] + np.arange(rows)[None, :] * levels[:, None]).astype(np.int32)
     for n in np.unique(levels):
         banks = np.flatnonzero(levels == n)
         code = np.arange(int(n), dtype=np.float32)
-        vals = dequant_f16(code, s[banks, :, None], b[banks, :, None]).astype(np.float16)
+        vals = dequant_f16(code, s[banks, :, None], b[banks, :, None])
         for i, bank in enumerate(banks):
             table[starts[bank]: starts[bank] + sizes[bank]] = vals[i].reshape(-1)
     return table, offset
@@ -769,6 +794,14 @@ def _pending_columns(ws: np.ndarray, porder: np.ndarray, bg: int) -> mx.array:
     return mx.contiguous(cols.reshape(cols.shape[0], nb * rows))[None]
 
 
+@mx.compile
+def _damped_sums(w: mx.array, assumed: mx.array, added: mx.array) -> mx.array:
+    """Per bank and row, ``sum_c added_c (w_c - assumed_c)^2`` over channels (axis 1) of ``[B or 1, C, R]`` arrays;
+    compiled: one fused pass, 2x numpy's einsum here and 8x MLX's uncompiled ops."""
+    d = w - assumed
+    return (d * d * added).sum(1)
+
+
 def _output_error_rows(esq: np.ndarray, w: np.ndarray, assumed: np.ndarray, order: np.ndarray, porder: np.ndarray,
                        factor: HessianFactor) -> np.ndarray:
     """Per bank and output row, ``d H d^T`` for the quantization error ``d`` (undamped ``H``), from GPTQ's own errors.
@@ -782,10 +815,16 @@ def _output_error_rows(esq: np.ndarray, w: np.ndarray, assumed: np.ndarray, orde
     added[:, porder] = factor.added  # storage order
     damped = np.zeros_like(esq)
     stored = np.array_equal(order, np.arange(k))  # the channels in their own order: a slice, not a gather
+    one = w.strides[0] == 0  # the banks of several options of one weight: one weight broadcast
     for c0 in range(0, k, 1024):  # bounded temporaries; float32 sums of at most 1,024 terms, added in float64
         c1 = min(k, c0 + 1024)
-        d = (w[:, :, c0:c1] if stored else np.take(w, order[c0:c1], axis=2)) - assumed[:, c0:c1, :].transpose(0, 2, 1)
-        damped += np.einsum("brc,bc->br", d * d, np.broadcast_to(added[:, c0:c1], (d.shape[0], c1 - c0)))
+        wc = w[:1] if one else w
+        wc = mx.array(wc[:, :, c0:c1] if stored else np.take(wc, order[c0:c1], axis=2))
+        # (mx.array of a non-contiguous numpy slice copies element by element: 100x slower than of a contiguous one)
+        part = _damped_sums(mx.contiguous(wc.transpose(0, 2, 1)), mx.array(np.ascontiguousarray(assumed[:, c0:c1])),
+                            mx.array(added[:, c0:c1, None]))
+        mx.eval(part)  # evaluated as MLX's work before numpy reads it
+        damped += np.asarray(part, dtype=np.float64)
     return esq - damped
 
 
