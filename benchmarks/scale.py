@@ -10,11 +10,13 @@ for GPTQ and the exact error), achieved FLOP/s against a plain float32
 ``mx.matmul`` on the same device, the numpy share of measure time and the peak
 RSS (sampled every 20 ms); then totals extrapolated to the full depth.
 
-Numpy share: own time (cProfile) of numpy functions and of ``gptq_core``
-(whose ndarray operators do not show up as calls) over the own time of every
+Numpy share: own time (cProfile) of numpy functions and of the functions whose
+own time is numpy's ndarray operators (GPTQ's column loop, its fp16 helpers, the
+Gram permutations; operators do not show up as calls) over the own time of every
 thread of the measure (the main thread and each worker thread, each profiled;
-time spent waiting for another thread left out). Before, only the main thread
-was profiled, so the work of a layer's tensors on worker threads was not seen.
+time spent waiting, for a lock or by an idle worker for its next task, left
+out). MLX's calls do not show up as calls either: their time is their callers'.
+Functions that mix both (``add_gram``'s in-place sums) count as MLX's.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/scale.py --shapes 0.5b --method rtn --grid fast --rows 16
@@ -129,11 +131,22 @@ if args["stage"] == "measure":
     for p in workers:  # their threads have ended; snapshot without touching this thread's profiler
         p.snapshot_stats()
         stats.append(p.stats)
-    # own time of every thread, less the time spent waiting for another thread; numpy's part of it
-    own = [(k, v[2]) for st in stats for k, v in st.items() if not (k[0] == "~" and "acquire" in k[2])]
+    # own time of every thread, less the time spent waiting (for a lock, or an idle worker for its next task);
+    # numpy's part of it: numpy's functions and methods, and the functions whose own time is numpy's operators
+    waits = ("acquire", "'get' of '_queue.SimpleQueue'")
+    numpy_own = {("gptq.py", n) for n in ("gptq_core", "_round_f16", "dequant_f16", "codes_f16", "_level_table",
+                                          "_reversed_damped")} \
+        | {("linalg.py", n) for n in ("permute_in_place", "reverse_in_place", "_small_cholesky",
+                                      "_small_lower_inverse")}
+    own = [(k, v[2]) for st in stats for k, v in st.items() if not (k[0] == "~" and any(w in k[2] for w in waits))]
     total = sum(t for _, t in own)
-    npy = sum(t for k, t in own if "numpy" in k[0] or "numpy" in k[2] or k[2] == "gptq_core")
-    out["numpy_share"] = npy / total if total else 0.0
+    parts = {}
+    for k, t in own:
+        if "numpy" in k[0] or "numpy" in k[2] or (os.path.basename(k[0]), k[2]) in numpy_own:
+            parts[k[2]] = parts.get(k[2], 0.0) + t
+    out["numpy_share"] = sum(parts.values()) / total if total else 0.0
+    out["numpy_top"] = sorted(((round(t, 2), n) for n, t in parts.items()), reverse=True)[:6]
+    out["own_seconds"] = total
     out["profiled_threads"] = len(stats)
     out["timing"] = m.extra["timing"]
     out["marks"] = marks
@@ -310,7 +323,9 @@ def main() -> None:
             per_layer = sum(lay) / len(lay)
             total_measure = setup + per_layer * s["depth"] + head_s
             print(f"measure: {meas['seconds']:.1f} s here, peak RSS {meas['peak_rss_mb']:.0f} MB, "
-                  f"numpy share {meas['numpy_share']:.1%} ({meas.get('profiled_threads', 1)} threads profiled); "
+                  f"numpy share {meas['numpy_share']:.1%} of {meas.get('own_seconds', 0):.0f} s "
+                  f"({meas.get('profiled_threads', 1)} threads profiled; largest: "
+                  + ", ".join(f"{n} {t:.1f} s" for t, n in meas.get("numpy_top", [])) + "); "
                   f"extrapolated to {s['depth']} layers: "
                   f"{total_measure / 60:.1f} min")
             res = {"shape": s, "measure": {k: v for k, v in meas.items() if k != "rss"}, "stages": rows_out,
