@@ -65,7 +65,7 @@ from .quant import (
 )
 
 SPAN_COLUMNS = 1024  # GPTQ's blocks update the columns beyond their span of this many columns once per span
-LEVEL_TABLE_BYTES = 32 * 2**20  # bytes of the dequantized-level tables (float32) GPTQ's column loop holds at once
+F16_ROUND_LIMIT = 6e4  # GPTQ's column loop rounds to fp16 by float32 arithmetic where |values| stay below this
 SUB_COLUMNS = 16  # GPTQ's columns update each other one by one within sub-blocks of this many columns
 PARAM_CHUNK = 2**20  # weights per call of the group-parameter search: its candidates' temporaries stay small
 DEFAULT_SHIFTS: tuple[float, ...] = (-0.5, -0.25, 0.25, 0.5)  # bias shifts, in quantization steps
@@ -610,11 +610,6 @@ def gptq_core(
     clipped = np.zeros(nb, dtype=np.int64) if per_bank else 0
     group_cache: dict[int, tuple] = {}  # float32 views of a group's final parameters, made once per group
 
-    levels = np.broadcast_to(1 << g_bits, (nb, len(groups)))  # codes per group and bank
-    table_bytes = 4 * rows * levels.sum(0)  # each group's table of dequantized levels
-    # act order revisits every group, so static groups keep their tables: the first ones within the budget
-    tabled = (np.cumsum(table_bytes) if static_groups else table_bytes) <= LEVEL_TABLE_BYTES
-
     def group_params(g: int) -> tuple:
         if g not in group_cache:
             if not static_groups:  # groups come up one after another: the last one is done
@@ -622,11 +617,10 @@ def gptq_core(
             sg, bg_ = scales[g].astype(np.float32), biases[g].astype(np.float32)
             zero = sg == 0
             qm = q_max[:, g, None] if per_bank else float(q_max[0, g])  # per bank [B, 1]: float32 like the codes
-            table = _level_table(sg, bg_, levels[:, g]) if tabled[g] else (None, None)
-            # without a table: fp16 rounding in float32 arithmetic (_round_f16) where no value can reach fp16's range
-            small = float(np.max(np.abs(sg) * (q_max[:, g, None] if per_bank else q_max[0, g]) + np.abs(bg_))) < 6e4
-            group_cache[g] = (sg, bg_, np.where(zero, np.float32(1.0), sg), zero if zero.any() else None, qm,
-                              small) + table
+            # fp16 rounding by float32 arithmetic (_round_f16) where no value can reach the end of fp16's range
+            small = float(np.max(np.abs(sg) * (q_max[:, g, None] if per_bank else q_max[0, g]) + np.abs(bg_))) \
+                < F16_ROUND_LIMIT
+            group_cache[g] = (sg, bg_, np.where(zero, np.float32(1.0), sg), zero if zero.any() else None, qm, small)
         return group_cache[g]
 
     widest = max(b1 - b0 for b0, b1 in zip(bounds[:-1], bounds[1:]))
@@ -634,7 +628,7 @@ def gptq_core(
     outside = np.empty((nb, widest, rows), dtype=bool)  # a block's weights outside their group's range, counted once
     esq = np.zeros((bg, wide), dtype=np.float64)  # sum of GPTQ's scaled errors e^2 per row
     raw_buf, q_buf = np.empty((nb, rows), dtype=np.float32), np.empty((nb, rows), dtype=np.float32)
-    idx_buf, sign_buf = np.empty((nb, rows), dtype=np.int32), np.empty((nb, rows), dtype=np.int32)
+    tmp_buf, tmp2_buf = np.empty((nb, rows), dtype=np.float32), np.empty((nb, rows), dtype=np.float32)
     # blocks in spans of about SPAN_COLUMNS: a block's errors update the rest of its span at once, a span's errors the
     # columns beyond it, so the remaining columns are rewritten once a span, not once a block
     spans = [0]
@@ -660,7 +654,7 @@ def gptq_core(
                 gsz = groups[g][1]
                 params_for(wt_[:, p - b0 : p - b0 + gsz, :].reshape(bg, gsz, nb // bg, rows).transpose(0, 2, 3, 1)
                            .reshape(nb, rows, gsz), g, 1, gsz)
-            s, bi, safe, zero, qm, small, table, offset = group_params(g)
+            s, bi, safe, zero, qm, small = group_params(g)
             if p > c0:  # the sub-block's earlier errors reach this column in one small product
                 corr = np.matmul(u[:, c0:p, p][:, None, :], err[:, c0 - b0 : p - b0], out=scratch[:, :1])
                 np.subtract(wt_[:, p - b0], corr[:, 0], out=wt_[:, p - b0])
@@ -673,15 +667,11 @@ def gptq_core(
             if zero is not None:
                 q[zero] = 0.0
                 out &= ~zero
-            if table is not None:  # the dequantized value of each code looked up: 4x faster than the fp16 steps
-                codes[:, sp, :] = q
-                # straight into place; mode="clip" skips take's bounds check and its buffering of `out`
-                dq = np.take(table, np.add(offset, codes[:, sp, :], out=idx_buf), out=assumed[:, sp, :], mode="clip")
-            elif small:  # dequant_f16's values, rounded to fp16 without conversions (2x faster)
+            if small:  # dequant_f16's values straight into place, rounded to fp16 without conversions
                 codes[:, sp, :] = q
                 dq = assumed[:, sp, :]
-                _round_f16(np.multiply(s, q, out=dq), idx_buf, sign_buf)
-                _round_f16(np.add(dq, bi, out=dq), idx_buf, sign_buf)
+                _round_f16(np.multiply(s, q, out=dq), tmp_buf, tmp2_buf)  # s * q is exact in float32
+                _round_f16(np.add(dq, bi, out=dq), tmp_buf, tmp2_buf)
             else:
                 dq = dequant_f16(q, s, bi)
                 codes[:, sp, :] = q
@@ -713,51 +703,31 @@ def gptq_core(
     )
 
 
-def _round_f16(x: np.ndarray, bits: np.ndarray, sign: np.ndarray) -> np.ndarray:
-    """Round float32 ``x`` in place to its nearest fp16 value (ties to even), as ``x.astype(np.float16)`` does, for
-    ``|x| < 65520`` (beyond, fp16 gives inf); ``bits``, ``sign``: int32 scratch of ``x``'s shape.
+def _round_f16(x: np.ndarray, tmp: np.ndarray, tmp2: np.ndarray) -> np.ndarray:
+    """Round float32 ``x`` in place to its nearest fp16 value (ties to even), as ``x.astype(np.float16)`` does, where
+    ``|x|`` is in fp16's normal range (below 65520) or ``x`` is already a multiple of fp16's subnormal step 2^-24:
+    true of every product ``scale * code`` and every float32 sum of two fp16 values (a sum below 2^-14 is exact).
+    ``tmp``, ``tmp2``: float32 scratch of ``x``'s shape.
 
-    Adding ``c = ±2^(e+13)`` (``e``: ``x``'s exponent, at least fp16's smallest normal one, -14) leaves float32 one
-    bit per fp16 step of ``x``'s binade, so the sum rounds ``x`` to fp16's grid and ``- c`` is exact. Why: numpy's
-    fp16 conversions cost twice these seven integer and float operations; tested equal on every exponent, tie and
-    subnormal."""
-    xi = x.view(np.int32)
-    np.bitwise_and(xi, 0x7F800000, out=bits)  # the exponent field
-    np.maximum(bits, (127 - 14) << 23, out=bits)  # below fp16's normal range its step is fixed: 2^-24
-    np.add(bits, 13 << 23, out=bits)
-    np.bitwise_or(bits, np.bitwise_and(xi, np.int32(-(2**31)), out=sign), out=bits)  # x's sign
-    c = bits.view(np.float32)
-    return np.subtract(np.add(x, c, out=x), c, out=x)
-
-
-def _level_table(s: np.ndarray, b: np.ndarray, levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One group's dequantized value of every code, per bank and row, as a flat float32 table, and each row's
-    offset in it: ``table[offset + q]`` is ``mx.dequantize``'s value for code ``q`` (``s``, ``b``: ``[B, R]`` float32
-    of the fp16 scales and biases; ``levels``: codes per bank, ``[B]``).
-
-    Why: GPTQ's column loop dequantized each column through four fp16 conversions, the largest numpy cost of a
-    measurement after the loop itself; the lookup gives :func:`dequant_f16`'s values (every fp16 value is a float32
-    one). float32, not float16: the loop looks values up straight into its float32 output (5.9 us less a column
-    at 5,120 rows)."""
-    nb, rows = s.shape
-    sizes = rows * levels.astype(np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    table = np.empty(int(sizes.sum()), dtype=np.float32)
-    offset = (starts[:, None] + np.arange(rows)[None, :] * levels[:, None]).astype(np.int32)
-    for n in np.unique(levels):
-        banks = np.flatnonzero(levels == n)
-        code = np.arange(int(n), dtype=np.float32)
-        vals = dequant_f16(code, s[banks, :, None], b[banks, :, None])
-        for i, bank in enumerate(banks):
-            table[starts[bank]: starts[bank] + sizes[bank]] = vals[i].reshape(-1)
-    return table, offset
+    Veltkamp's split: ``c = x (2^13 + 1)``, ``c - (c - x)`` keeps ``x``'s 11 leading bits, rounded to nearest.
+    Why: numpy's fp16 conversions cost twice as much, and a lookup table of each group's dequantized levels was no
+    faster (its reads miss the cache: one line per row). Tested equal to the conversions, ties included."""
+    np.multiply(x, np.float32(2**13 + 1), out=tmp)
+    np.subtract(tmp, x, out=tmp2)
+    return np.subtract(tmp, tmp2, out=x)
 
 
 def _columns(span: mx.array, n: int) -> np.ndarray:
     """The first ``n`` columns of GPTQ's lazily updated ``span`` (``[B, columns, R]``) as a writable numpy array;
-    MLX evaluates the updates first, so a profile counts them as MLX's work."""
-    mx.eval(span)
-    return np.array(span[:, :n, :])
+    MLX evaluates the updates first, so a profile counts them as MLX's work.
+
+    Contiguous columns come as a view of MLX's buffer, not a copy (5.9 s of numpy copies in an 8B-shape layer):
+    the column loop rewrites them in place, and nothing reads a block's columns from ``span`` again (later
+    updates read only the columns beyond the block)."""
+    cols = span[:, :n, :]
+    mx.eval(cols)
+    view = np.asarray(cols)
+    return view if view.flags.c_contiguous and view.flags.writeable else np.array(view)
 
 
 def _sub_blocks(b0: int, b1: int, group_starts: np.ndarray | None) -> list[int]:
@@ -819,9 +789,9 @@ def _output_error_rows(esq: np.ndarray, w: np.ndarray, assumed: np.ndarray, orde
     for c0 in range(0, k, 1024):  # bounded temporaries; float32 sums of at most 1,024 terms, added in float64
         c1 = min(k, c0 + 1024)
         wc = w[:1] if one else w
-        wc = mx.array(wc[:, :, c0:c1] if stored else np.take(wc, order[c0:c1], axis=2))
-        # (mx.array of a non-contiguous numpy slice copies element by element: 100x slower than of a contiguous one)
-        part = _damped_sums(mx.contiguous(wc.transpose(0, 2, 1)), mx.array(np.ascontiguousarray(assumed[:, c0:c1])),
+        # (mx.array of a non-contiguous numpy slice copies element by element: many times slower than of a contiguous one)
+        wc = mx.array(np.ascontiguousarray(wc[:, :, c0:c1]) if stored else np.take(wc, order[c0:c1], axis=2))
+        part = _damped_sums(wc.transpose(0, 2, 1), mx.array(np.ascontiguousarray(assumed[:, c0:c1])),
                             mx.array(added[:, c0:c1, None]))
         mx.eval(part)  # evaluated as MLX's work before numpy reads it
         damped += np.asarray(part, dtype=np.float64)

@@ -568,49 +568,51 @@ def test_factor_finiteness_is_checked_by_row_chunks(monkeypatch):
         assert not gptq._all_finite(b)
 
 
-def test_level_tables_give_the_fp16_steps_values(monkeypatch):
-    """The column loop's looked-up dequantized levels are mx.dequantize's fp16 arithmetic, bit for bit: the same
-    codes and values with the tables as without (budget 0), for act-ordered uniform options of several widths
-    batched, mixed options (one group's table at a time) and zero-scale groups (an all-zero group of columns)."""
+def test_fp16_rounding_by_arithmetic_gives_the_conversions_values(monkeypatch):
+    """The column loop's dequantized values rounded to fp16 by float32 arithmetic are those of numpy's fp16
+    conversions (dequant_f16, used where values could reach the end of fp16's range: forced here by a limit of 0),
+    bit for bit: the same codes and values, for act-ordered uniform options of several widths batched, mixed
+    options and zero-scale groups (an all-zero group of columns)."""
     import mlx_dq.gptq as gq
 
     w, x = _problem(48, 256, 600, 11)
     w[:, 64:96] = 0.0  # groups of 32 whose scale is 0
     gram = x.T @ x
-    s = np.array([[0.0, 0.01, 0.3], [1e-4, 2.5, 0.07]], dtype=np.float16).astype(np.float32)
-    b = np.array([[-0.5, 0.2, -1.0], [3.0, -0.001, 0.0]], dtype=np.float16).astype(np.float32)
-    table, offset = gq._level_table(s, b, np.array([4, 16]))
-    for bank, n in ((0, 4), (1, 16)):
-        for code in range(n):
-            want = ((s[bank] * np.float32(code)).astype(np.float16).astype(np.float32) + b[bank]).astype(np.float16)
-            assert np.array_equal(table[offset[bank] + code], want)
     for descs in (["1.0:2b_32g", "1.0:4b_32g", "1.0:8b_32g"], ["0.25:5b_32g/0.75:3b_32g", "0.5:3b_32g/0.5:2b_32g"]):
         opts = [QuantOption.parse(d) for d in descs]
         got = {}
-        for budget in (gq.LEVEL_TABLE_BYTES, 120_000, 0):  # every group's table, the first groups' only, none
-            monkeypatch.setattr(gq, "LEVEL_TABLE_BYTES", budget)
-            got[budget] = [(np.array(qt.dequantize()), np.array(qt.parts[0][0]))
-                           for qt in gptq_quantize_many(w, opts, gram, error_stats=False)]
-        for some in (120_000, 0):
-            for (dq_t, codes_t), (dq_f, codes_f) in zip(got[gq.LEVEL_TABLE_BYTES], got[some]):
-                assert np.array_equal(dq_t, dq_f) and np.array_equal(codes_t, codes_f), (descs, some)
+        for limit in (gq.F16_ROUND_LIMIT, 0.0):
+            monkeypatch.setattr(gq, "F16_ROUND_LIMIT", limit)
+            got[limit] = [(np.array(qt.dequantize()), np.array(qt.parts[0][0]))
+                          for qt in gptq_quantize_many(w, opts, gram, error_stats=False)]
+        for (dq_a, codes_a), (dq_c, codes_c) in zip(got[gq.F16_ROUND_LIMIT], got[0.0]):
+            assert np.array_equal(dq_a, dq_c) and np.array_equal(codes_a, codes_c), descs
 
 
 def test_round_f16_matches_numpys_conversion():
-    """The column loop's fp16 rounding in float32 arithmetic gives numpy's fp16 conversion on every binade, on ties
-    between fp16 neighbours (to even) and in fp16's subnormal range; the test fails if the exponent floor or the
-    sign handling is dropped."""
+    """The column loop's fp16 rounding in float32 arithmetic gives numpy's fp16 conversion on what it rounds: values
+    in fp16's normal range of every binade and sign, ties between fp16 neighbours (to even), products of fp16 scales
+    (subnormal ones too) and codes, and float32 sums of two fp16 values (down to cancellations into the subnormal
+    range). The test fails if the split keeps a bit more or less."""
     import mlx_dq.gptq as gq
 
     rng = np.random.default_rng(5)
-    mags = np.float32(2.0) ** rng.integers(-30, 16, 200_000).astype(np.float32)
-    x = (rng.standard_normal(200_000).astype(np.float32) * mags)
-    x = x[np.abs(x) < 6e4]
+    n = 200_000
+    sign = np.where(rng.random(n) < 0.5, -1.0, 1.0).astype(np.float32)
+    x = rng.uniform(1, 2, n).astype(np.float32) * np.float32(2.0) ** rng.integers(-14, 15, n).astype(np.float32) * sign
     h = x.astype(np.float16)
     ties = (h.astype(np.float32) + np.nextafter(h, np.float16(np.inf)).astype(np.float32)) / 2
-    x = np.concatenate([x, ties, np.float32([0.0, -0.0, 2**-24, 2**-25, 3 * 2**-26, 2**-14, 65504])])
-    x = x.reshape(2, -1) if x.size % 2 == 0 else x[:-1].reshape(2, -1)
+    ties = np.where(np.abs(ties) >= 2.0**-14, ties, 0.0)  # (a tie between subnormals is no product or sum)
+    scales = (rng.standard_normal(n) * 2.0 ** rng.integers(-26, -2, n)).astype(np.float16).astype(np.float32)
+    prods = scales * rng.integers(0, 256, n).astype(np.float32)
+    a = (rng.standard_normal(n) * 0.05).astype(np.float16).astype(np.float32)
+    near = (-a + (rng.standard_normal(n) * 1e-5).astype(np.float16).astype(np.float32)).astype(np.float16)
+    other = (rng.standard_normal(n) * 0.05).astype(np.float16)
+    sums = a + np.where(rng.random(n) < 0.5, near, other).astype(np.float32)
+    x = np.concatenate([x, ties, prods, sums]).reshape(4, -1)
+    x = x * (np.abs(x) < 6e4)
     want = x.astype(np.float16).astype(np.float32)
-    got = gq._round_f16(x.copy(), np.empty(x.shape, np.int32), np.empty(x.shape, np.int32))
+    got = gq._round_f16(x.copy(), np.empty_like(x), np.empty_like(x))
     assert np.array_equal(got, want)
-    assert np.count_nonzero(want != x) > x.size // 2  # most inputs are not fp16 values already
+    assert np.count_nonzero(want != x) > x.size // 4  # most inputs are not fp16 values already
+    assert np.count_nonzero((np.abs(want) < 2.0**-14) & (want != 0)) > 1000  # the subnormal range is reached
