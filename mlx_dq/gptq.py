@@ -721,7 +721,7 @@ def _columns(span: mx.array, n: int) -> np.ndarray:
     """The first ``n`` columns of GPTQ's lazily updated ``span`` (``[B, columns, R]``) as a writable numpy array;
     MLX evaluates the updates first, so a profile counts them as MLX's work.
 
-    Contiguous columns come as a view of MLX's buffer, not a copy (5.9 s of numpy copies in an 8B-shape layer):
+    Contiguous columns come as a view of MLX's buffer, not a copy (5.9 s of numpy copies in an 8B-shape measure):
     the column loop rewrites them in place, and nothing reads a block's columns from ``span`` again (later
     updates read only the columns beyond the block)."""
     cols = span[:, :n, :]
