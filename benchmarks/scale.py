@@ -134,7 +134,7 @@ if args["stage"] == "measure":
     # own time of every thread, less the time spent waiting (for a lock, or an idle worker for its next task);
     # numpy's part of it: numpy's functions and methods, and the functions whose own time is numpy's operators
     waits = ("acquire", "'get' of '_queue.SimpleQueue'")
-    numpy_own = {("gptq.py", n) for n in ("gptq_core", "_round_f16", "dequant_f16", "codes_f16", "_level_table",
+    numpy_own = {("gptq.py", n) for n in ("gptq_core", "_round_f16", "dequant_f16", "codes_f16",
                                           "_reversed_damped")} \
         | {("linalg.py", n) for n in ("permute_in_place", "reverse_in_place", "_small_cholesky",
                                       "_small_lower_inverse")}
