@@ -785,12 +785,11 @@ def _output_error_rows(esq: np.ndarray, w: np.ndarray, assumed: np.ndarray, orde
     added[:, porder] = factor.added  # storage order
     damped = np.zeros_like(esq)
     stored = np.array_equal(order, np.arange(k))  # the channels in their own order: a slice, not a gather
-    one = w.strides[0] == 0  # the banks of several options of one weight: one weight broadcast
+    src = w[:1] if w.strides[0] == 0 else w  # the banks of several options of one weight: one weight broadcast
     for c0 in range(0, k, 1024):  # bounded temporaries; float32 sums of at most 1,024 terms, added in float64
         c1 = min(k, c0 + 1024)
-        wc = w[:1] if one else w
         # (mx.array of a non-contiguous numpy slice copies element by element: many times slower than a contiguous one)
-        wc = mx.array(np.ascontiguousarray(wc[:, :, c0:c1]) if stored else np.take(wc, order[c0:c1], axis=2))
+        wc = mx.array(np.ascontiguousarray(src[:, :, c0:c1]) if stored else np.take(src, order[c0:c1], axis=2))
         part = _damped_sums(wc.transpose(0, 2, 1), mx.array(np.ascontiguousarray(assumed[:, c0:c1])),
                             mx.array(added[:, c0:c1, None]))
         mx.eval(part)  # evaluated as MLX's work before numpy reads it
