@@ -100,6 +100,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import calib as calib_mod
+from .attention import cpu_attention
 from . import distributed as dist
 from .capture import GramCollector, InputStats, iter_batches, quantizable_modules
 from .measurement import Measurement, TensorRecord, load_measurement, save_measurement
@@ -966,6 +967,12 @@ def measure(
     old = _resume(run) if resume else None
     if old is not None:
         return old
+    with cpu_attention():
+        return _measure_all(run, _fail_after_layer)
+
+
+def _measure_all(run: _Run, _fail_after_layer: int | None) -> Measurement:
+    """The stages after the start: embedding, decoder layers (resumable), head; the finished record."""
     _embed(run)
     bar = tqdm(total=len(run.runner.layers), desc="measure", unit="layer", disable=not run.progress,
                initial=run.start_layer)

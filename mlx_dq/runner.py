@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from .attention import cpu_attention
 from . import distributed as dist
 from .capture import GramCollector, iter_batches, quantizable_modules
 from .names import layer_index
@@ -351,8 +352,9 @@ class LayerRunner:
             if not self.share.runs(b):
                 continue
             args, kwargs = self.calls[b][i]
-            y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
-            mx.eval(y)
+            with cpu_attention():
+                y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
+                mx.eval(y)
             if col is not None:
                 self.share.flush(col, b)
             ys.append(y)
