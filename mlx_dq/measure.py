@@ -100,7 +100,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import calib as calib_mod
-from .attention import cpu_attention
+from .cpu_forward import cpu_forward
 from . import distributed as dist
 from .capture import GramCollector, InputStats, iter_batches, quantizable_modules
 from .measurement import Measurement, TensorRecord, load_measurement, save_measurement
@@ -967,7 +967,7 @@ def measure(
     old = _resume(run) if resume else None
     if old is not None:
         return old
-    with cpu_attention():
+    with cpu_forward():
         return _measure_all(run, _fail_after_layer)
 
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from .attention import cpu_attention
+from .cpu_forward import cpu_forward
 from . import distributed as dist
 from .capture import GramCollector, iter_batches, quantizable_modules
 from .names import layer_index
@@ -352,7 +352,7 @@ class LayerRunner:
             if not self.share.runs(b):
                 continue
             args, kwargs = self.calls[b][i]
-            with cpu_attention():
+            with cpu_forward():
                 y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
                 mx.eval(y)
             if col is not None:

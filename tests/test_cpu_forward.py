@@ -1,4 +1,5 @@
-"""The CPU attention: its exponential against float64, its attention against MLX's own, and the swap's scope."""
+"""The CPU forward's attention and SwiGLU: the exponential against float64, both against MLX's and mlx-lm's own,
+and the swap's scope."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dq import attention
-from mlx_dq.attention import blocked_attention, cpu_attention, exp_nonpositive, softmax_rows
+from mlx_lm.models import activations, llama
+
+from mlx_dq import cpu_forward as cf
+from mlx_dq.cpu_forward import blocked_attention, cpu_forward, exp_nonpositive, silu_product, softmax_rows
 
 
 def _ulps(got: np.ndarray, want64: np.ndarray) -> np.ndarray:
@@ -75,10 +78,10 @@ def test_the_swap_is_scoped_nested_and_keeps_other_calls():
     mx.random.seed(4)
     q, k, v = (mx.random.normal((1, 2, 16, 8)) for _ in range(3))
     mask = mx.random.normal((16, 16))
-    with cpu_attention():
+    with cpu_forward():
         swapped = mx.fast.scaled_dot_product_attention
         assert swapped is not original
-        with cpu_attention():
+        with cpu_forward():
             assert mx.fast.scaled_dot_product_attention is swapped
         assert mx.fast.scaled_dot_product_attention is swapped  # the inner exit does not restore early
         # an array mask, sinks and 16-bit inputs reach MLX's own function: the very same values
@@ -92,9 +95,35 @@ def test_the_swap_is_scoped_nested_and_keeps_other_calls():
                               np.array(original(q, k, v, scale=0.3, mask="causal", sinks=sinks)))
     assert mx.fast.scaled_dot_product_attention is original
     with pytest.raises(RuntimeError):
-        with cpu_attention():
+        with cpu_forward():
             raise RuntimeError("boom")
-    assert mx.fast.scaled_dot_product_attention is original and attention._depth == 0
+    assert mx.fast.scaled_dot_product_attention is original and cf._depth == 0
+
+
+def test_silu_product_matches_float64_and_its_blocks_change_nothing():
+    rng = np.random.default_rng(5)
+    gate = rng.normal(0, 5, (3, 50, 96)).astype(np.float32)
+    gate[0, 0, :4] = [0.0, -100.0, 100.0, -88.0]
+    x = rng.normal(0, 1, gate.shape).astype(np.float32)
+    g64, x64 = gate.astype(np.float64), x.astype(np.float64)
+    want = g64 / (1 + np.exp(-g64)) * x64
+    whole = np.array(silu_product(mx.array(gate), mx.array(x), block=10**9))
+    assert (np.abs(whole - want) <= 1e-6 * np.abs(want) + 1e-30).all()
+    blocks = np.array(silu_product(mx.array(gate), mx.array(x), block=96 * 7))  # 7 rows a block, the last short
+    assert np.array_equal(blocks, whole)
+    theirs = np.array(activations.swiglu(mx.array(gate), mx.array(x)))
+    assert np.abs(whole - theirs).max() <= 1e-5 * np.abs(theirs).max()
+
+
+def test_the_swiglu_swap_reaches_model_modules_and_is_restored():
+    assert llama.swiglu is activations.swiglu
+    gate, x = mx.random.normal((4, 8)), mx.random.normal((4, 8))
+    with cpu_forward():
+        swapped = llama.swiglu
+        assert swapped is not activations.swiglu
+        h = (gate.astype(mx.float16), x.astype(mx.float16))  # 16-bit: mlx-lm's own, the very same values
+        assert np.array_equal(np.array(swapped(*h)), np.array(activations.swiglu(*h)))
+    assert llama.swiglu is activations.swiglu
 
 
 def test_a_model_layer_gives_the_same_output_with_the_swap(tiny_llama, monkeypatch):
@@ -110,7 +139,8 @@ def test_a_model_layer_gives_the_same_output_with_the_swap(tiny_llama, monkeypat
     args, kwargs = runner.calls[0][0]
     plain = runner.layers[0](hidden, *args, **kwargs)  # MLX's own attention
     calls = []
-    monkeypatch.setattr(attention, "blocked_attention", lambda *a, **kw: calls.append(1) or blocked_attention(*a, **kw))
+    for name, fn in (("blocked_attention", blocked_attention), ("silu_product", silu_product)):
+        monkeypatch.setattr(cf, name, lambda *a, _n=name, _f=fn, **kw: calls.append(_n) or _f(*a, **kw))
     mine = runner.forward(0, hidden)
-    assert calls, "the runner's forward did not use the blocked attention"
+    assert set(calls) == {"blocked_attention", "silu_product"}, "the runner's forward did not use both fast paths"
     assert np.abs(np.array(mine) - np.array(plain)).max() <= 1e-5 * float(mx.abs(plain).max())
