@@ -135,7 +135,7 @@ if args["stage"] == "measure":
     # numpy's part of it: numpy's functions and methods, and the functions whose own time is numpy's operators
     waits = ("acquire", "'get' of '_queue.SimpleQueue'")
     numpy_own = {("gptq.py", n) for n in ("gptq_core", "_round_f16", "dequant_f16", "codes_f16",
-                                          "_reversed_damped")} \
+                                          "_reversed_damped", "_pending_columns")} \
         | {("linalg.py", n) for n in ("permute_in_place", "reverse_in_place", "_small_cholesky",
                                       "_small_lower_inverse")}
     own = [(k, v[2]) for st in stats for k, v in st.items() if not (k[0] == "~" and any(w in k[2] for w in waits))]
