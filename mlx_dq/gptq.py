@@ -766,8 +766,12 @@ def _pending_columns(w: np.ndarray, sequence: np.ndarray, bg: int) -> mx.array:
         for r0 in range(0, rows, TRANSPOSE_ROWS):
             r1 = min(rows, r0 + TRANSPOSE_ROWS)
             part = w[b, r0:r1] if natural else np.take(w[b, r0:r1], sequence, axis=1)
-            for j in range(nb) if one else (b,):
-                view[f, :, at + (j - b) * rows + r0 : at + (j - b) * rows + r1] = part.T
+            if one:  # transposed once, then copied to every bank's place
+                part = np.ascontiguousarray(part.T)
+                for j in range(nb):
+                    view[0, :, j * rows + r0 : j * rows + r1] = part
+            else:
+                view[f, :, at + r0 : at + r1] = part.T
     return out
 
 
