@@ -29,7 +29,7 @@ _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 in two parts: n * _LN2_HI is exact for |n| < 2^15
 _EXP_COEFFS = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
                5.0000001201e-1)  # Cephes' expf: exp(r) = 1 + r + r^2 * p(r) on |r| <= ln(2) / 2
-_EXP_FLOOR = -87.0  # below this float32's exp is subnormal; the softmax takes it as 0
+_EXP_FLOOR = -87.0  # float32's exp turns subnormal just below (at -87.34); the softmax takes anything below as 0
 
 
 @mx.compile
