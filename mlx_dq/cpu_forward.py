@@ -1,4 +1,4 @@
-"""A model's forward on MLX's CPU backend: attention and SwiGLU with the same values, 2-3x faster.
+"""A model's forward on MLX's CPU backend: attention and SwiGLU equal to float rounding, 2-3x faster.
 
 Why: MLX's CPU ``exp`` is scalar (about 17 ns a value) and large temporaries are fresh, page-faulted buffers. At
 SmolLM2-135M's 4 x 512-token batches, MLX's fused attention (which falls back to a plain composition on the
