@@ -542,7 +542,6 @@ def gptq_core(
     per_bank = len(options) > 1
 
     identity = np.array_equal(order, np.arange(k))
-    # storage order (a view when it is the original order; banks of one broadcast weight stay one weight)
     # storage order (a view when it is the original order; banks of one broadcast weight stay one weight): only the
     # group parameters fixed up front read it
     ws = None if not static_groups else w if identity else \

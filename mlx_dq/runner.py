@@ -348,16 +348,16 @@ class LayerRunner:
         """Layer ``i``'s float32 output on ``hidden`` (this rank's batches); ``col`` collects its inputs (all ranks' sums)."""
         layer = self.layers[i]
         ys = []
-        for b, sl in enumerate(self.batches):
-            if not self.share.runs(b):
-                continue
-            args, kwargs = self.calls[b][i]
-            with cpu_forward():
+        with cpu_forward():  # swapped in once for the batches, not once a batch
+            for b, sl in enumerate(self.batches):
+                if not self.share.runs(b):
+                    continue
+                args, kwargs = self.calls[b][i]
                 y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
                 mx.eval(y)
-            if col is not None:
-                self.share.flush(col, b)
-            ys.append(y)
+                if col is not None:
+                    self.share.flush(col, b)
+                ys.append(y)
         if col is not None:
             dist.reduce_stats(col)
         return self.share.join(ys)
