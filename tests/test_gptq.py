@@ -389,6 +389,79 @@ def test_group_parameters_in_row_chunks_equal_one_call(monkeypatch, layer):
         assert a.dtype == np.float16 and np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_group_parameters_on_threads_equal_one_thread(monkeypatch, layer, clip):
+    """Called from the main thread, the chunks of rows run on worker threads: the same parameters as on one."""
+    import threading
+
+    import mlx_dq.gptq as gq
+
+    w, _, gram = layer
+    wg = w.reshape(1, w.shape[0], -1, 32)
+    weight = np.diag(gram).reshape(1, 1, -1, 32).astype(np.float32)
+    monkeypatch.setattr(gq, "PARAM_CHUNK", 7 * w.shape[1])  # 14 chunks of 7 rows, a ragged last one
+    seen, orig = set(), gq.refine_group_params
+
+    def spy(*a, **k):
+        seen.add(threading.get_ident())
+        return orig(*a, **k)
+
+    monkeypatch.setattr(gq, "refine_group_params", spy)
+    monkeypatch.setenv("MLX_DQ_THREADS", "1")
+    one = gq.choose_group_params(wg, 3, weight, clip=clip)
+    assert seen == {threading.get_ident()}
+    monkeypatch.setenv("MLX_DQ_THREADS", "2")
+    seen.clear()
+    two = gq.choose_group_params(wg, 3, weight, clip=clip)
+    assert threading.get_ident() not in seen and len(seen) == 2
+    for a, b in zip(one, two):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_unclipped_group_parameters_skip_the_scoring_with_the_same_values(layer, bits):
+    """Without clip factors the search's start is MLX's range rule, as ``clip_search`` with no factors chooses,
+    and as ``mx.quantize`` stores for the fp16 weights."""
+    from mlx_dq.gptq import choose_group_params
+    from mlx_dq.quant import clip_search
+
+    w = layer[0]
+    wg = w.reshape(1, w.shape[0], -1, 64)
+    s, b = choose_group_params(wg, bits, None, clip=False, weighted=False)
+    w16 = mx.array(wg).astype(mx.float16).astype(mx.float32)
+    res = clip_search(w16, bits, factors=(), dtype=mx.float16, codes=False)
+    assert np.array_equal(s, np.array(res.scales)) and np.array_equal(b, np.array(res.biases))
+    _, ms, mb = mx.quantize(mx.array(w).astype(mx.float16), group_size=64, bits=bits)
+    assert np.array_equal(s[0], np.array(ms)) and np.array_equal(b[0], np.array(mb))
+
+
+@pytest.mark.parametrize("act", [False, True])
+def test_gptq_column_copy_and_output_error_on_threads_equal_one_thread(monkeypatch, layer, act):
+    """The column-major copy (pieces of rows) and the output error (pieces of channels) run on worker threads from
+    the main thread: the same codes and the same per-row errors, bit for bit, as on one thread."""
+    import mlx_dq.gptq as gq
+
+    w, _, gram = layer
+    opt = QuantOption.parse("1.0:4b_32g")
+    order = act_order(w.shape[1], mx.array(gram)) if act else np.arange(w.shape[1])
+    monkeypatch.setattr(gq, "TRANSPOSE_ROWS", 16)  # 6 pieces of rows
+    monkeypatch.setattr(gq, "ERROR_CHANNELS", 48)  # 6 pieces of channels, a ragged last one
+    pieces, orig = [], gq.map_ahead
+
+    def spy(fn, items, *a, **k):
+        pieces.append(len(items))
+        return orig(fn, items, *a, **k)
+
+    monkeypatch.setattr(gq, "map_ahead", spy)
+    out = {}
+    for n in ("1", "2"):
+        monkeypatch.setenv("MLX_DQ_THREADS", n)
+        out[n] = gptq_core(w[None], gram[None], opt, order, static_groups=act, process_order=None)
+    assert pieces.count(6) >= 4  # both pieces of work, on each run
+    for name in ("codes", "scales", "biases", "assumed", "out_sq"):
+        assert np.array_equal(getattr(out["1"], name), getattr(out["2"], name)), name
+
+
 def _gram_rows(w: np.ndarray, wq: np.ndarray, gram: np.ndarray) -> np.ndarray:
     """Each output row's ``d G d^T`` in float64, the reference for ``out_sq``."""
     d = wq.astype(np.float64) - w.astype(np.float64)
