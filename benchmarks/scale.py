@@ -211,10 +211,10 @@ def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, 
     return imp_tokens * v * h + full * v * h * h * per + v * h * h + predicted + kl
 
 
-def hot_loop(s: dict, flops: float) -> dict:
+def hot_loop(s: dict, flops: float, repeat: int = 1) -> dict:
     """GPTQ alone on one ``hidden x hidden`` tensor of this shape (Hessian factor cached; the column loop,
-    the lazy updates and the per-group scale search): seconds and FLOP/s, counting ``out x in^2 / 2``
-    multiply-adds (the triangular updates) against a plain matmul."""
+    the lazy updates and the per-group scale search): seconds (the median of ``repeat`` runs) and FLOP/s, counting
+    ``out x in^2 / 2`` multiply-adds (the triangular updates) against a plain matmul."""
     import mlx.core as mx
 
     from mlx_dq.options import QuantOption
@@ -229,11 +229,14 @@ def hot_loop(s: dict, flops: float) -> dict:
     cache: dict = {}
     opt = QuantOption.parse("1.0:4b_64g")
     quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache)  # factor the Hessian once
-    t = time.perf_counter()
-    mx.eval(*quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache).parts[0])
-    sec = time.perf_counter() - t
+    runs = []
+    for _ in range(max(1, repeat)):
+        t = time.perf_counter()
+        mx.eval(*quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache).parts[0])
+        runs.append(time.perf_counter() - t)
+    sec = sorted(runs)[len(runs) // 2]
     fl = 2 * (h * h * h / 2) / sec
-    return {"tensor": [h, h], "seconds": sec, "flops": fl, "of_matmul": fl / flops}
+    return {"tensor": [h, h], "seconds": sec, "runs": runs, "flops": fl, "of_matmul": fl / flops}
 
 
 def run_child(code: str, folder: Path, args: dict, src: Path = ROOT) -> dict:
@@ -267,6 +270,8 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="build the models in this folder and keep them")
     ap.add_argument("--sample-rows", type=int, default=None, help="measure's --sample-rows (default: its default)")
     ap.add_argument("--no-hot-loop", action="store_true", help="skip timing GPTQ alone on one tensor")
+    ap.add_argument("--hot-loop-only", action="store_true", help="time GPTQ alone on one tensor per shape, nothing else")
+    ap.add_argument("--repeat", type=int, default=1, help="hot loop runs (the median is reported)")
     args = ap.parse_args()
     from mlx_dq.estimate import matmul_flops
 
@@ -277,6 +282,27 @@ def main() -> None:
 
         args.sample_rows = MeasureSettings.sample_rows
     results = {"matmul_flops": flops, "args": vars(args), "shapes": {}}
+    if args.hot_loop_only:
+        for name in args.shapes.split(","):
+            results["shapes"][name] = {"hot_loop": report_hot_loop(SHAPES[name], flops, args.repeat)}
+    else:
+        run_shapes(args, flops, results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def report_hot_loop(s: dict, flops: float, repeat: int) -> dict:
+    """:func:`hot_loop`, printed."""
+    hl = hot_loop(s, flops, repeat)
+    runs = ", ".join(f"{r:.2f}" for r in hl["runs"])
+    print(f"GPTQ alone on a {hl['tensor'][0]} x {hl['tensor'][1]} tensor (factor cached): "
+          f"{hl['seconds']:.2f} s, {hl['flops'] / 1e9:.1f} GFLOP/s = {hl['of_matmul']:.0%} of matmul"
+          + (f" (median of {len(hl['runs'])}: {runs} s)" if len(hl["runs"]) > 1 else ""))
+    return hl
+
+
+def run_shapes(args: argparse.Namespace, flops: float, results: dict) -> None:
+    """Build, measure and convert each shape of ``args.shapes``; figures printed and added to ``results``."""
     with tempfile.TemporaryDirectory() as td:
         base = Path(args.keep or td)
         for name in args.shapes.split(","):
@@ -341,13 +367,8 @@ def main() -> None:
                       f"{s['depth']} layers: {per * (s['depth'] + 1) / 60:.1f} min")
                 res["convert"] = {k: v for k, v in conv.items() if k != "rss"}
             if not args.no_hot_loop:
-                hl = hot_loop(s, flops)
-                print(f"GPTQ alone on a {hl['tensor'][0]} x {hl['tensor'][1]} tensor (factor cached): "
-                      f"{hl['seconds']:.2f} s, {hl['flops'] / 1e9:.1f} GFLOP/s = {hl['of_matmul']:.0%} of matmul")
-                res["hot_loop"] = hl
+                res["hot_loop"] = report_hot_loop(s, flops, args.repeat)
             results["shapes"][name] = res
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
