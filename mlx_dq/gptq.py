@@ -460,8 +460,8 @@ class GPTQResult:
 
     ``codes`` ``[B, R, k]``; ``scales``/``biases`` ``[B, R, k/g]`` per group
     (fp16, groups laid out segment after segment); ``assumed`` ``[B, R, k]``
-    the dequantized weight GPTQ compensated for (float32 of the fp16 values
-    ``mx.dequantize`` yields); ``order`` original channel of each storage
+    the dequantized weight GPTQ compensated for (the fp16 values ``mx.dequantize``
+    yields, stored as fp16: half a float32 copy's memory); ``order`` original channel of each storage
     column; ``extra_damp`` damping added beyond the requested one;
     ``clipped`` how many error-updated weights fell outside their group's range
     (per bank ``[B]`` when the banks are several options of one weight).
@@ -613,7 +613,7 @@ def gptq_core(
     del ws  # the storage-order copy is not read again
     u_mx = factor.u_mx
     codes = np.zeros((nb, k, rows), dtype=np.uint8)
-    assumed = np.zeros((nb, k, rows), dtype=np.float32)
+    assumed = np.zeros((nb, k, rows), dtype=np.float16)  # every value is an fp16 value: exact, half the memory
     sp_of, gid_of = porder.tolist(), gid.tolist()  # Python ints: the column loop indexes with them, no numpy scalars
     first_of_group = set(g_start.tolist())
     clipped = np.zeros(nb, dtype=np.int64) if per_bank else 0
@@ -637,6 +637,7 @@ def gptq_core(
     outside = np.empty((nb, widest, rows), dtype=bool)  # a block's weights outside their group's range, counted once
     esq = np.zeros((bg, wide), dtype=np.float64)  # sum of GPTQ's scaled errors e^2 per row
     raw_buf, q_buf = np.empty((nb, rows), dtype=np.float32), np.empty((nb, rows), dtype=np.float32)
+    dq_buf = np.empty((nb, rows), dtype=np.float32)
     tmp_buf, tmp2_buf = np.empty((nb, rows), dtype=np.float32), np.empty((nb, rows), dtype=np.float32)
     # blocks in spans of about SPAN_COLUMNS: a block's errors update the rest of its span at once, a span's errors the
     # columns beyond it, so the remaining columns are rewritten once a span, not once a block
@@ -676,15 +677,13 @@ def gptq_core(
             if zero is not None:
                 q[zero] = 0.0
                 out &= ~zero
-            if small:  # dequant_f16's values straight into place, rounded to fp16 without conversions
-                codes[:, sp, :] = q
-                dq = assumed[:, sp, :]
-                _round_f16(np.multiply(s, q, out=dq), tmp_buf, tmp2_buf)  # s * q is exact in float32
+            codes[:, sp, :] = q
+            if small:  # dequant_f16's values, rounded to fp16 without conversions
+                dq = _round_f16(np.multiply(s, q, out=dq_buf), tmp_buf, tmp2_buf)  # s * q is exact in float32
                 _round_f16(np.add(dq, bi, out=dq), tmp_buf, tmp2_buf)
             else:
                 dq = dequant_f16(q, s, bi)
-                codes[:, sp, :] = q
-                assumed[:, sp, :] = dq
+            assumed[:, sp, :] = dq
             e = err[:, p - b0, :]  # this column's scaled errors, written in place
             np.divide(np.subtract(wt_[:, p - b0, :], dq.reshape(bg, wide), out=e), u[:, p, p, None], out=e)
             if p + 1 == c1 < b1:  # the sub-block's errors update the rest of the block in one product
@@ -973,7 +972,7 @@ def gptq_quantize_many(
             "seconds": seconds,
         }
         if error_stats:
-            wq = mx.array(res.assumed[bank][:, :, np.argsort(order)].reshape(shape))
+            wq = mx.array(res.assumed[bank][:, :, np.argsort(order)].reshape(shape).astype(np.float32))
             qt.stats["output_error"] = output_error(wm, wq, gm)
             qt.stats["weight_error"] = weight_error(wm, wq)
         out.append(qt)
