@@ -135,7 +135,7 @@ if args["stage"] == "measure":
     # numpy's part of it: numpy's functions and methods, and the functions whose own time is numpy's operators
     waits = ("acquire", "'get' of '_queue.SimpleQueue'")
     numpy_own = {("gptq.py", n) for n in ("gptq_core", "_round_f16", "dequant_f16", "codes_f16",
-                                          "_reversed_damped", "_pending_columns")} \
+                                          "_reversed_damped", "_pending_columns", "write_columns")} \
         | {("linalg.py", n) for n in ("permute_in_place", "reverse_in_place", "_small_cholesky",
                                       "_small_lower_inverse")}
     own = [(k, v[2]) for st in stats for k, v in st.items() if not (k[0] == "~" and any(w in k[2] for w in waits))]
@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="build the models in this folder and keep them")
     ap.add_argument("--sample-rows", type=int, default=None, help="measure's --sample-rows (default: its default)")
     ap.add_argument("--no-hot-loop", action="store_true", help="skip timing GPTQ alone on one tensor")
-    ap.add_argument("--hot-loop-only", action="store_true", help="time GPTQ alone on one tensor per shape, nothing else")
+    ap.add_argument("--hot-loop-only", action="store_true", help="time GPTQ alone on one tensor per shape only")
     ap.add_argument("--repeat", type=int, default=1, help="hot loop runs (the median is reported)")
     args = ap.parse_args()
     from mlx_dq.estimate import matmul_flops

@@ -767,7 +767,7 @@ def _pending_columns(w: np.ndarray, sequence: np.ndarray, bg: int) -> mx.array:
     mx.eval(out)
     view = np.asarray(out)  # a writable view of the new array's buffer: nothing else holds it yet
 
-    def write(piece: tuple[int, int]) -> None:
+    def write_columns(piece: tuple[int, int]) -> None:  # numpy's operators: benchmarks/scale.py counts it as numpy
         b, r0 = piece
         f, at = (b, 0) if bg > 1 else (0, b * rows)  # its factor's slot and its first row there
         r1 = min(rows, r0 + TRANSPOSE_ROWS)
@@ -780,7 +780,8 @@ def _pending_columns(w: np.ndarray, sequence: np.ndarray, bg: int) -> mx.array:
             view[f, :, at + r0 : at + r1] = part.T
 
     # numpy's gathers and copies release the GIL: the pieces (disjoint rows of the buffer) run on worker threads
-    for _ in map_ahead(write, [(b, r0) for b in range(1 if one else nb) for r0 in range(0, rows, TRANSPOSE_ROWS)]):
+    pieces = [(b, r0) for b in range(1 if one else nb) for r0 in range(0, rows, TRANSPOSE_ROWS)]
+    for _ in map_ahead(write_columns, pieces):
         pass
     return out
 
