@@ -814,7 +814,7 @@ def _output_error_rows(esq: np.ndarray, w: np.ndarray, assumed: np.ndarray, orde
         # (mx.array of a non-contiguous numpy slice copies element by element: many times slower than a contiguous one)
         wc = mx.array(np.ascontiguousarray(src[:, :, c0:c1]) if stored else np.take(src, order[c0:c1], axis=2))
         return _damped_sums(wc.transpose(0, 2, 1), mx.array(np.ascontiguousarray(assumed[:, c0:c1])),
-                            mx.array(added[:, c0:c1, None]))  # evaluated as MLX's work before numpy reads it
+                            mx.array(added[:, c0:c1, None]))  # map_ahead evaluates it, as MLX's work
 
     for p in map_ahead(part, range(0, k, ERROR_CHANNELS)):  # bounded temporaries, on worker threads from the main one
         damped += np.asarray(p, dtype=np.float64)  # added in float64, in channel order whatever the thread
