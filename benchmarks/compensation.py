@@ -67,15 +67,28 @@ def capture(model, rows: mx.array, layers: list[int], batch: int = 4) -> dict[st
     return {n: (m.weight, col.stats[n].gram) for n, m in mods.items()}
 
 
-def real_table(args: argparse.Namespace) -> None:
-    """Print the output-error table on real layers."""
-    t0 = time.perf_counter()
+def add_layer_args(ap: argparse.ArgumentParser) -> None:
+    """The model, layers and token counts of :func:`capture_both` (shared with ``scale_search.py``)."""
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--layers", default="2,15,28", help="comma-separated decoder layer indices")
+    ap.add_argument("--rows", type=int, default=16, help="calibration (and held-out) rows")
+    ap.add_argument("--seq-len", type=int, default=256)
+
+
+def capture_both(args: argparse.Namespace) -> tuple[list[int], dict, dict]:
+    """The chosen layers and their ``{name: (weight, gram)}`` on calibration rows and on held-out rows of the
+    evaluation text (:func:`add_layer_args`' settings)."""
     model, tokenizer, _ = load_model(args.model)
     cal_rows = calib.sample_rows(tokenizer, calib.default_calibration_texts(), args.rows, args.seq_len)
     held_rows = calib.sample_rows(tokenizer, calib.default_eval_texts(), args.rows, args.seq_len, seed=1)
     layers = [int(x) for x in args.layers.split(",")]
-    cal = capture(model, cal_rows, layers)
-    held = capture(model, held_rows, layers)
+    return layers, capture(model, cal_rows, layers), capture(model, held_rows, layers)
+
+
+def real_table(args: argparse.Namespace) -> None:
+    """Print the output-error table on real layers."""
+    t0 = time.perf_counter()
+    layers, cal, held = capture_both(args)
     print(f"# model {args.model}, layers {layers}, {len(cal)} tensors, calibration {args.rows}x{args.seq_len} tokens, "
           f"held-out {args.rows}x{args.seq_len} (evaluation text); loading+capture {time.perf_counter() - t0:.1f}s")
     meth = methods(args.alt_damp)
@@ -136,10 +149,7 @@ def timing_table(args: argparse.Namespace) -> None:
 def main() -> None:
     """Parse arguments and print both tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--layers", default="2,15,28", help="comma-separated decoder layer indices")
-    ap.add_argument("--rows", type=int, default=16, help="calibration (and held-out) rows")
-    ap.add_argument("--seq-len", type=int, default=256)
+    add_layer_args(ap)
     ap.add_argument("--alt-damp", type=float, default=0.01,
                     help="damping of the extra GPTQ column (the others use gptq.DEFAULT_DAMP)")
     ap.add_argument("--no-real", action="store_true", help="skip the real-layer table")

@@ -211,16 +211,14 @@ def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, 
     return imp_tokens * v * h + full * v * h * h * per + v * h * h + predicted + kl
 
 
-def hot_loop(s: dict, flops: float, repeat: int = 1) -> dict:
-    """GPTQ alone on one ``hidden x hidden`` tensor of this shape (Hessian factor cached; the column loop,
-    the lazy updates and the per-group scale search): seconds (the median of ``repeat`` runs) and FLOP/s, counting
-    ``out x in^2 / 2`` multiply-adds (the triangular updates) against a plain matmul."""
+def hot_loop_problem(h: int) -> tuple:
+    """The hot loop's tensor: a random ``h x h`` weight, the Gram of ``4h`` random inputs, the 4-bit g64 option and
+    a factor cache with the Hessian already factored (also used by ``scale_search.py``)."""
     import mlx.core as mx
 
     from mlx_dq.options import QuantOption
     from mlx_dq.quantize import quantize_tensor
 
-    h = s["hidden"]
     mx.random.seed(1)
     w = mx.random.normal((h, h)) / h ** 0.5
     x = mx.random.normal((4 * h, h))
@@ -229,6 +227,19 @@ def hot_loop(s: dict, flops: float, repeat: int = 1) -> dict:
     cache: dict = {}
     opt = QuantOption.parse("1.0:4b_64g")
     quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache)  # factor the Hessian once
+    return w, gram, opt, cache
+
+
+def hot_loop(s: dict, flops: float, repeat: int = 1) -> dict:
+    """GPTQ alone on one ``hidden x hidden`` tensor of this shape (Hessian factor cached; the column loop,
+    the lazy updates and the per-group scale search): seconds (the median of ``repeat`` runs) and FLOP/s, counting
+    ``out x in^2 / 2`` multiply-adds (the triangular updates) against a plain matmul."""
+    import mlx.core as mx
+
+    from mlx_dq.quantize import quantize_tensor
+
+    h = s["hidden"]
+    w, gram, opt, cache = hot_loop_problem(h)
     runs = []
     for _ in range(max(1, repeat)):
         t = time.perf_counter()

@@ -24,12 +24,11 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from compensation import OPTIONS, capture
-from mlx_dq import calib
+from compensation import OPTIONS, add_layer_args, capture_both
+from scale import hot_loop_problem
 from mlx_dq import gptq as gptq_mod
 from mlx_dq.options import QuantOption
 from mlx_dq.quant import affine_params, output_error
-from mlx_dq.sources import load_model
 
 # refine_group_params' keyword arguments per variant; "default" is the library's own search
 VARIANTS: dict[str, dict] = {
@@ -69,16 +68,9 @@ def hot_loop(sizes: list[int]) -> None:
     flops = matmul_flops(2048)
     print(f"\nGPTQ alone (4-bit g64, factor cached, no clip candidates); plain matmul {flops / 1e9:.1f} GFLOP/s")
     orig = gptq_mod.refine_group_params
-    opt = QuantOption.parse("1.0:4b_64g")
     try:
         for h in sizes:
-            mx.random.seed(1)
-            w = mx.random.normal((h, h)) / h ** 0.5
-            x = mx.random.normal((4 * h, h))
-            gram = x.T @ x
-            mx.eval(w, gram)
-            cache: dict = {}
-            quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache)  # factor once
+            w, gram, opt, cache = hot_loop_problem(h)
             runs: dict[str, list[float]] = {name: [] for name in VARIANTS}
             for _ in range(3):
                 for name, kw in VARIANTS.items():
@@ -97,19 +89,12 @@ def hot_loop(sizes: list[int]) -> None:
 def main() -> None:
     """Print the cost and the output errors of every variant."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--layers", default="2,15,28", help="comma-separated decoder layer indices")
-    ap.add_argument("--rows", type=int, default=16, help="calibration (and held-out) rows")
-    ap.add_argument("--seq-len", type=int, default=256)
+    add_layer_args(ap)
     ap.add_argument("--clip", action="store_true", help="start from the clip search (convert's default), not the range")
     ap.add_argument("--hot-loop", default="", help="comma-separated sizes h: also time GPTQ alone on h x h tensors")
     args = ap.parse_args()
     ms = {name: sec * 1e3 for name, sec in search_seconds().items()}  # before the model: nothing else in memory
-    model, tokenizer, _ = load_model(args.model)
-    cal_rows = calib.sample_rows(tokenizer, calib.default_calibration_texts(), args.rows, args.seq_len)
-    held_rows = calib.sample_rows(tokenizer, calib.default_eval_texts(), args.rows, args.seq_len, seed=1)
-    layers = [int(x) for x in args.layers.split(",")]
-    cal, held = capture(model, cal_rows, layers), capture(model, held_rows, layers)
+    layers, cal, held = capture_both(args)
     print(f"# {args.model}, layers {layers}, {len(cal)} tensors, {args.rows} x {args.seq_len} tokens each for the "
           f"calibration and held-out Grams; GPTQ (act order, damping {gptq_mod.DEFAULT_DAMP}), clip search: {args.clip}")
     print("mean relative output error, calibration / held-out; search ms per million weights on one thread")
