@@ -17,7 +17,6 @@ thread of the measure (the main thread and each worker thread, each profiled;
 time spent waiting, for a lock or by an idle worker for its next task, left
 out). MLX's calls do not show up as calls either: their time is their callers'.
 Functions that mix both (``add_gram``'s in-place sums) count as MLX's.
-The children get ``OPENBLAS_THREAD_TIMEOUT`` as the ``mlx_dq`` command sets it (:func:`mlx_dq.openblas.timeout_env`).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python benchmarks/scale.py --shapes 0.5b --method rtn --grid fast --rows 16
@@ -252,10 +251,7 @@ def hot_loop(s: dict, flops: float, repeat: int = 1) -> dict:
 
 
 def run_child(code: str, folder: Path, args: dict, src: Path = ROOT) -> dict:
-    from mlx_dq.openblas import timeout_env  # what the mlx_dq command's re-exec also sets
-
-    env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               **timeout_env(os.environ))
+    env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     res = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(args)], capture_output=True, text=True,
                          env=env)
     if res.returncode != 0:

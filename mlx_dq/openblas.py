@@ -5,7 +5,6 @@ OpenBLAS (pthread build) preloaded, with the same results. A library can only
 be preloaded before the process starts, so the command re-executes itself once
 with ``LD_PRELOAD`` set (and a one-line note on stderr). ``MLX_DQ_NO_OPENBLAS=1``
 turns this off; a guard variable stops any second re-exec; macOS is never touched.
-The re-exec also sets ``OPENBLAS_THREAD_TIMEOUT`` (:func:`timeout_env`) unless the user did.
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ OPT_OUT_VAR = "MLX_DQ_NO_OPENBLAS"
 GUARD_VAR = "MLX_DQ_OPENBLAS_REEXEC"
 PATH_VAR = "MLX_DQ_OPENBLAS_PATH"  # another OpenBLAS build to preload (tests, other distributions)
 _FALSE = ("", "0", "false", "no", "off")
-TIMEOUT_VAR = "OPENBLAS_THREAD_TIMEOUT"  # read once, when OpenBLAS loads
-THREAD_TIMEOUT = "4"  # OpenBLAS's least: an idle thread waits 2^4 cycles, not its default 2^28, before sleeping
 
 
 def preload_value(platform: str, environ: Mapping[str, str], lib_exists: bool, lib: str = OPENBLAS_PATH) -> str | None:
@@ -44,16 +41,6 @@ def preload_value(platform: str, environ: Mapping[str, str], lib_exists: bool, l
     return ":".join([lib, *entries])
 
 
-def timeout_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """``OPENBLAS_THREAD_TIMEOUT`` for a process about to load OpenBLAS, empty when ``environ`` sets it already.
-
-    Why: after each product OpenBLAS's idle threads spin (``sched_yield``) for about 2^28 cycles, taking a core
-    from the MLX and numpy work between products. Convert of the Llama-3-8B shape on a 2-core CPU: 269-270 s ->
-    250-259 s, system time 98 -> 64-66 s (``benchmarks/results/scale.md``). The products' values do not change.
-    """
-    return {} if environ.get(TIMEOUT_VAR) else {TIMEOUT_VAR: THREAD_TIMEOUT}
-
-
 def maybe_reexec() -> None:
     """Re-execute this Python process once with OpenBLAS preloaded when :func:`preload_value` says so."""
     lib = os.environ.get(PATH_VAR) or OPENBLAS_PATH
@@ -61,7 +48,7 @@ def maybe_reexec() -> None:
     argv = getattr(sys, "orig_argv", None)
     if value is None or not argv or not sys.executable:
         return
-    env = dict(os.environ, LD_PRELOAD=value, **{GUARD_VAR: "1"}, **timeout_env(os.environ))
+    env = dict(os.environ, LD_PRELOAD=value, **{GUARD_VAR: "1"})
     print(f"mlx_dq: preloading OpenBLAS ({lib}) for faster CPU matrix products; {OPT_OUT_VAR}=1 turns this off",
           file=sys.stderr, flush=True)
     try:

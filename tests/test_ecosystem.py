@@ -104,15 +104,9 @@ def test_openblas_preload_decision(platform, env, exists, expected):
     assert openblas.preload_value(platform, env, exists) == expected
 
 
-def test_openblas_thread_timeout_unless_set():
-    assert openblas.timeout_env({}) == {"OPENBLAS_THREAD_TIMEOUT": "4"}
-    assert openblas.timeout_env({"OPENBLAS_THREAD_TIMEOUT": "20"}) == {}  # the user's value is kept
-
-
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", openblas.GUARD_VAR, openblas.OPT_OUT_VAR, openblas.PATH_VAR,
-                        openblas.TIMEOUT_VAR)}
+           if k not in ("LD_PRELOAD", openblas.GUARD_VAR, openblas.OPT_OUT_VAR, openblas.PATH_VAR)}
     env.update(extra)
     return env
 
@@ -126,14 +120,10 @@ def test_command_reexecutes_once_with_openblas():
     assert proc.stderr.count("preloading OpenBLAS") == 1, proc.stderr
     assert "version" in proc.stdout
     probe = ("from mlx_dq.openblas import maybe_reexec; maybe_reexec(); import os; "
-             "print(os.environ.get('LD_PRELOAD')); print(open('/proc/self/maps').read().count('libopenblas') > 0); "
-             "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+             "print(os.environ.get('LD_PRELOAD')); print(open('/proc/self/maps').read().count('libopenblas') > 0)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           env=_clean_env())
-    assert proc.stdout.split() == [LIB, "True", "4"], (proc.stdout, proc.stderr)
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                          env=_clean_env(OPENBLAS_THREAD_TIMEOUT="12"))
-    assert proc.stdout.split() == [LIB, "True", "12"], (proc.stdout, proc.stderr)  # the user's value is kept
+    assert proc.stdout.split() == [LIB, "True"], (proc.stdout, proc.stderr)
     # opted out: no re-exec, no note
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           env=_clean_env(MLX_DQ_NO_OPENBLAS="1"))
