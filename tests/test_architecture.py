@@ -20,7 +20,7 @@ PACKAGE = ROOT / "mlx_dq"
 
 PIPELINE_ORDER = [
     # foundations: names, options, file safety, calibration text, input capture, ranks
-    "mlx_dq.openblas", "mlx_dq.names", "mlx_dq.options", "mlx_dq.keeprules", "mlx_dq.safety", "mlx_dq.kernels",
+    "mlx_dq.errors", "mlx_dq.openblas", "mlx_dq.names", "mlx_dq.options", "mlx_dq.keeprules", "mlx_dq.safety", "mlx_dq.kernels",
     "mlx_dq.threads", "mlx_dq.cpu_forward", "mlx_dq.calib", "mlx_dq.capture", "mlx_dq.replay", "mlx_dq.distributed",
     # model sources and loading
     "mlx_dq.gguf_io", "mlx_dq.sources",
