@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .errors import MlxDqError
-
 from .card import update_card
+from .errors import MlxDqError
 from .names import MANIFEST_NAME, MANIFEST_SCHEMA
 from .writer import read_manifest
 
@@ -37,7 +36,7 @@ _EXCLUDED_SUFFIXES = (".pyc", ".tmp", ".partial")
 CONNECT_TIMEOUT_S = 5.0
 
 
-classHubError(MlxDqError):
+class HubError(MlxDqError):
     """Uploading cannot work now (offline, not logged in, bad repo id, incomplete folder)."""
 
 
