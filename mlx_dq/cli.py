@@ -9,7 +9,9 @@ from typing import Any
 import click
 import mlx.core as mx
 
+from mlx_dq.errors import InputError, MlxDqError
 from mlx_dq.names import MANIFEST_NAME, MANIFEST_SCHEMA
+from mlx_dq.safety import WRITE_RULE
 from mlx_dq.settings import (DTYPES, IMPORTANCE_MODES, METHODS, DistillSettings, MeasureSettings, PlanSettings,
                              QuantizeSettings)
 
@@ -27,7 +29,7 @@ def _parameter_count(config: dict[str, Any]) -> int | None:
 
     try:
         model = build_model(config)
-    except ValueError:  # an architecture mlx-lm lacks: the count is unknown, not an error here
+    except MlxDqError:  # an architecture mlx-lm lacks: the count is unknown, not an error here
         return None
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
@@ -48,6 +50,29 @@ class _Main(click.Group):
         ctx.meta["mlx_dq.argv"] = argv  # the exact command, for model cards
         return ctx
 
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command: the one place where an error becomes one ``Error: <message>`` line and exit status 1.
+
+        An :class:`~mlx_dq.errors.MlxDqError` (a user's mistake, a damaged file) prints its message. An OSError is
+        the system refusing a path the user gave (missing, permission denied, disk full): it prints as one line
+        naming the file, as no command can say more. Anything else is a bug and keeps its traceback."""
+        from mlx_dq.threads import env_workers
+
+        try:
+            env_workers()  # a bad MLX_DQ_THREADS fails now, not when the first layer's work is handed out
+            return super().invoke(ctx)
+        except MlxDqError as e:
+            raise click.ClickException(_rank_tag(str(e))) from None
+        except OSError as e:
+            raise click.ClickException(_rank_tag(_os_error_line(e))) from None
+
+
+def _os_error_line(e: OSError) -> str:
+    """An OSError as one line that names its file(s): ``out/model.safetensors: No space left on device``."""
+    if e.filename is None or not e.strerror:
+        return str(e)
+    return f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "") + f": {e.strerror}"
+
 
 def _command_line(ctx: click.Context) -> str:
     """The ``mlx_dq ...`` command line that is running, shell-quoted."""
@@ -58,8 +83,12 @@ def _command_line(ctx: click.Context) -> str:
 
 @click.group(name="mlx_dq", cls=_Main, context_settings=CONTEXT)
 @click.version_option(package_name="mlx-dq", prog_name="mlx_dq")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """mlx-dq: measurement-driven mixed-precision quantization for MLX."""
+    from mlx_dq.safety import cli_messages
+
+    ctx.with_resource(cli_messages())  # messages name options as typed here (--force), not as arguments
 
 
 @main.command(context_settings=CONTEXT)
@@ -68,10 +97,7 @@ def info(model: str) -> None:
     """Describe MODEL (HF folder, hub id, .gguf file or smollm2-135m) without loading its weights."""
     from mlx_dq.sources import resolve
 
-    try:
-        src = resolve(model)
-    except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    src = resolve(model)
     count = _parameter_count(src.config)
     click.echo(f"model:        {model}")
     click.echo(f"source:       {src.kind}")
@@ -96,18 +122,12 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
 
     try:
         texts, source = calib.resolve_eval_texts(text_path)
-    except ValueError as e:
+    except MlxDqError as e:
         raise click.BadParameter(str(e), param_hint="--text") from None
     t0 = time.perf_counter()
-    try:
-        model, tokenizer, _ = load_model(model_spec, dtype=mx.float32)
-    except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    model, tokenizer, _ = load_model(model_spec, dtype=mx.float32)
     t1 = time.perf_counter()
-    try:
-        tokens = calib.sample_rows(tokenizer, texts, rows, seq_len, seed)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    tokens = calib.sample_rows(tokenizer, texts, rows, seq_len, seed)
     ppl = evaluate.perplexity(model, tokens, batch_size=batch_size, progress=True)
     t2 = time.perf_counter()
     click.echo(f"text: {source} [digest {calib.text_digest(texts)}], {rows} rows x {seq_len} tokens, seed {seed}")
@@ -134,11 +154,14 @@ def perplexity(model_spec: str, text_path: str | None, rows: int, seq_len: int, 
 @click.option("--kl-scale/--no-kl-scale", default=_M.kl_scale, show_default=True,
               help="Scale importance to KL divergence (a few perturbed copies carried to the logits) and measure "
                    "the head's options end to end.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="Measurement JSON to write.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
+              help=f"Measurement JSON to write (its resume state beside it, OUTPUT.state.safetensors). {WRITE_RULE}")
 @click.option("--no-resume", is_flag=True, help="Start over even if OUTPUT holds an unfinished measurement.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False), default=None,
               help="Also write the measurement's figures (PNG) into this folder.")
-@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a measurement.")
+@click.option("--force", is_flag=True,
+              help="Start over and replace OUTPUT when it is a measurement made with other settings (implies "
+                   "--no-resume); a file that is not a measurement is never replaced.")
 @click.option("--sample-rows", default=_M.sample_rows, show_default=True, type=click.IntRange(min=0),
               help="Measure each linear layer's options on this many random output rows (0: all rows).")
 @click.option("--estimate", is_flag=True, help="Print the predicted time, peak memory and disk, and exit.")
@@ -149,8 +172,6 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
             flops: float | None = None) -> None:
     """Measure every tensor's error under each quantization option, one decoder layer at a time."""
     from mlx_dq.measure import measure as run_measure
-    from mlx_dq.formats import json_kind
-    from mlx_dq.safety import guard_output_file
 
     cost = dict(rows=rows, seq_len=seq_len, grid=grid, method=method, kl_scale=kl_scale and importance == "residual",
                 sample_rows=sample_rows, clip=bool(clip))
@@ -159,15 +180,11 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
         return
     t0 = time.perf_counter()
     _announce(model_spec, "measure", **cost)
-    try:
-        guard_output_file(output, "-o/--output", force=force, kind="a measurement",
-                          inputs=[("calibration text", calib), ("grid", grid), ("model", model_spec)],
-                          is_kind=lambda p: json_kind(p) == "mlx_dq")
-        m = run_measure(model_spec, calib=calib, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
-                        out_path=output, resume=not no_resume, importance=importance, clip=clip,
-                        method=method, kl_scale=kl_scale, sample_rows=sample_rows)
-    except (ValueError, OSError) as e:
-        raise click.ClickException(_rank_tag(str(e))) from None
+    _check_measure_outputs(output, plot_dir, [("calibration text", calib), ("grid", grid),
+                                              ("model", _source_path(model_spec))])
+    m = run_measure(model_spec, calib=calib, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
+                    out_path=output, resume=not (no_resume or force), importance=importance, clip=clip,
+                    method=method, kl_scale=kl_scale, sample_rows=sample_rows)
     if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
         return
     n_opts = sum(len(t.options) for t in m.tensors.values())
@@ -178,6 +195,54 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
     click.echo(f"wrote {output}")
     if plot_dir:
         _write_plots(m, plot_dir, (2.5, 3.5, 4.5), 4.0, None)
+
+
+def _source_path(model_spec: str | None) -> Any:
+    """Where a model spec's files are (its folder or file), or None when it cannot be found (the run says why)."""
+    if model_spec is None:
+        return None
+    if Path(model_spec).exists():
+        return model_spec
+    from mlx_dq.sources import resolve
+
+    try:
+        return resolve(model_spec).path
+    except (ValueError, OSError):
+        return None
+
+
+def _is_measurement(path: Any) -> bool:
+    """Whether ``path`` holds an mlx-dq measurement (an earlier one may be resumed or replaced)."""
+    from mlx_dq.formats import json_kind
+
+    return json_kind(path) in ("mlx_dq", "mlx_dq.measurement")
+
+
+def _check_measure_outputs(output: str, plot_dir: str | None, inputs: list) -> None:
+    """Refuse measure's outputs (the file, its resume state, the figures) where they would replace an input or a
+    file mlx-dq did not write, before any work."""
+    from mlx_dq.safety import guard_output_file
+
+    guard_output_file(output, "-o/--output", inputs=inputs, kind="a measurement", is_kind=_is_measurement)
+    guard_output_file(str(output) + ".state.safetensors", "-o/--output's resume state", inputs=inputs,
+                      kind="a measurement's resume state", is_kind=_is_measure_state)
+    if plot_dir is not None:
+        from mlx_dq.plots import guard_figures
+
+        guard_figures(plot_dir, [*inputs, ("measurement", output)])
+
+
+def _is_measure_state(path: Any) -> bool:
+    """Whether ``path`` is a resume state that measure wrote (safetensors whose metadata records its settings)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(min(n, 1 << 24)))
+        return "settings" in (header.get("__metadata__") or {})
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _is_plan(path: str) -> bool:
@@ -191,20 +256,21 @@ def _is_plan(path: str) -> bool:
         return False
 
 
-def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | None, force: bool,
-                            exl2_report: str | None = None) -> None:
-    """Refuse outputs that would overwrite the input, each other, a file of another kind (without force), or cannot be written."""
+def _check_optimize_outputs(measurement: str, output: str, mlx_config: str | None,
+                            exl2_report: str | None = None, model_spec: str | None = None) -> None:
+    """Refuse outputs that would overwrite an input (the measurement, the model's folder), each other, a file
+    mlx-dq did not write as that kind, or cannot be written."""
     from mlx_dq.formats import json_kind
     from mlx_dq.safety import csv_with_header, guard_output_file
 
-    inputs = [("measurement", measurement)]
-    guard_output_file(output, "-o/--output", inputs=inputs, force=force, kind="a plan", is_kind=_is_plan)
+    inputs = [("measurement", measurement), ("model", _source_path(model_spec))]
+    guard_output_file(output, "-o/--output", inputs=inputs, kind="a plan", is_kind=_is_plan)
     if mlx_config is not None:
-        guard_output_file(mlx_config, "--mlx-config", inputs=inputs, others=[("-o/--output", output)], force=force,
+        guard_output_file(mlx_config, "--mlx-config", inputs=inputs, others=[("-o/--output", output)],
                           kind="an MLX config", is_kind=lambda p: json_kind(p) == "mlx_kept16")
     if exl2_report is not None:
         guard_output_file(exl2_report, "--exl2-report", inputs=inputs,
-                          others=[("-o/--output", output), ("--mlx-config", mlx_config)], force=force,
+                          others=[("-o/--output", output), ("--mlx-config", mlx_config)],
                           kind="an EXL2 report", is_kind=csv_with_header("tensor"))
 
 
@@ -240,7 +306,7 @@ def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: f
         raise click.ClickException(f"plotting needs matplotlib, a dependency of mlx-dq ({e}): pip install matplotlib") from None
     try:
         paths = plots.save_figures(m, out_dir, targets=targets, heatmap_at=heatmap_at, quality_csv=quality)
-    except ValueError as e:
+    except MlxDqError as e:
         raise click.ClickException(f"plotting failed: {e}") from None
     for path in paths:
         click.echo(f"wrote {path}")
@@ -248,7 +314,8 @@ def _write_plots(m: Any, out_dir: str, targets: tuple[float, ...], heatmap_at: f
 
 @main.command(context_settings=CONTEXT)
 @click.argument("measurement", type=click.Path(exists=True, dir_okay=False))
-@click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Folder for the PNG figures.")
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
+              help=f"Folder for the PNG figures (earlier mlx-dq figures there are replaced). {WRITE_RULE}")
 @click.option("--targets", default="2.5,3.5,4.5", show_default=True,
               help="Comma-separated bits-per-weight targets for the optimizer's bit maps.")
 @click.option("--heatmap-at", default="4.0", show_default=True,
@@ -268,9 +335,12 @@ def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: 
     except ValueError:
         at = heatmap_at
     try:
+        from mlx_dq.plots import guard_figures
+
+        guard_figures(output, [("measurement", measurement), ("quality CSV", quality)])
         m = load_measurement(measurement)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    except ImportError as e:
+        raise click.ClickException(f"plotting needs matplotlib, a dependency of mlx-dq ({e}): pip install matplotlib") from None
     _write_plots(m, output, bpws, at, quality)
 
 
@@ -278,7 +348,7 @@ def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: 
 @click.argument("measurement", type=click.Path(exists=True, dir_okay=False))
 @click.option("--bpw", type=float, required=True, help="Bits-per-weight target for the decoder tensors.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True,
-              help="Where to write the plan (JSON).")
+              help=f"Where to write the plan (JSON); an earlier plan there is replaced. {WRITE_RULE}")
 @click.option("--mlx-lm-compatible", is_flag=True, help="Allow only whole-tensor options (stock mlx-lm loads them).")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
 @click.option("--keep-most-sensitive", multiple=True, metavar="N|PART=N",
@@ -301,7 +371,8 @@ def plot(measurement: str, output: str, targets: str, heatmap_at: str, quality: 
               help="Write a CSV of every planned tensor's EXL2 option and bpw beside its MLX option and bpw.")
 @click.option("--mlx-config", type=click.Path(dir_okay=False), default=None,
               help="Also write the plan as an MLX config (bits, group_size, mode, kept_16bit, tensors).")
-@click.option("--force", is_flag=True, help="Overwrite existing output files that are not of the kind written here.")
+@click.option("--force", is_flag=True, hidden=True,
+              help="No effect (kept for older scripts): only files mlx-dq wrote of the same kind are replaced.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Plan from an unfinished measurement (unmeasured tensors stay 16-bit).")
 def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool, keep: tuple[str, ...],
@@ -315,38 +386,33 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
     from mlx_dq.formats import exl2
 
     head = None if head_option == "budget" else head_option
-    try:
-        _check_optimize_outputs(measurement, output, mlx_config, force, exl2_report)
-        part_map = keeprules.parse_parts(parts)
-        counts = keeprules.parse_keep_counts(keep_most_sensitive)
-        keeprules.check_parts(counts, part_map)
-        _not_another_form(measurement)
-        m = meas.load_measurement(measurement, exl2_map=exl2_map)
-        if not meas.measurement_complete(m) and not allow_incomplete:
-            raise ValueError(
-                f"the measurement {measurement} is unfinished (measured up to layer {m.last_module_idx}): resume "
-                "it by running the same measure command again, or pass --allow-incomplete"
-            )
-        plan = opt.optimize(m, bpw, head_option=head, keep=keep, keep_most_sensitive=counts, parts=part_map,
-                            mlx_lm_compatible=mlx_lm_compatible, keep_outside_budget=keep_outside_budget)
-        measured_heads = any(exl2.is_head(k) for k in m.tensors)
-        if model_spec and not measured_heads:
-            from mlx_dq.formats.common import modules_for
+    _check_optimize_outputs(measurement, output, mlx_config, exl2_report, model_spec)
+    part_map = keeprules.parse_parts(parts)
+    counts = keeprules.parse_keep_counts(keep_most_sensitive)
+    keeprules.check_parts(counts, part_map)
+    _not_another_form(measurement)
+    m = meas.load_measurement(measurement, exl2_map=exl2_map)
+    if not meas.measurement_complete(m) and not allow_incomplete:
+        raise InputError(
+            f"the measurement {measurement} is unfinished (measured up to layer {m.last_module_idx}): resume "
+            "it by running the same measure command again, or pass --allow-incomplete"
+        )
+    plan = opt.optimize(m, bpw, head_option=head, keep=keep, keep_most_sensitive=counts, parts=part_map,
+                        mlx_lm_compatible=mlx_lm_compatible, keep_outside_budget=keep_outside_budget)
+    measured_heads = any(exl2.is_head(k) for k in m.tensors)
+    if model_spec and not measured_heads:
+        from mlx_dq.formats.common import modules_for
 
-            exl2.complete_head(plan, modules_for(model_spec)[0], head)
-        notes = [] if meas.measurement_complete(m) else [_unmeasured_note(m, plan)]
+        exl2.complete_head(plan, modules_for(model_spec)[0], head)
+    notes = [] if meas.measurement_complete(m) else [_unmeasured_note(m, plan)]
+    if mlx_config:
+        meas.write_json_atomic(opt.plan_to_mlx_config(plan), mlx_config)
+    try:
+        opt.save_plan(plan, output)
+    except OSError:
         if mlx_config:
-            meas.write_json_atomic(opt.plan_to_mlx_config(plan), mlx_config)
-        try:
-            opt.save_plan(plan, output)
-        except OSError:
-            if mlx_config:
-                Path(mlx_config).unlink(missing_ok=True)
-            raise
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
-    except OSError as e:
-        raise click.ClickException(f"cannot write {e.filename or output}: {e.strerror or e}") from None
+            Path(mlx_config).unlink(missing_ok=True)
+        raise
     for note in notes:
         click.echo(f"note: {note}")
     click.echo(f"target {plan.target_bpw:g} bpw: achieved {plan.achieved_bpw:.4f} bpw "
@@ -369,7 +435,8 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--model", "model_spec", default="smollm2-135m", show_default=True,
               help="HF folder, hub id, .gguf file or smollm2-135m.")
 @click.option("--bpw", type=float, default=_P.bpw, help="Bits-per-weight target (all quantizable tensors by default).")
-@click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Output model folder.")
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
+              help=f"Output model folder. {WRITE_RULE}")
 @click.option("--measurement", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Reuse a measurement (mlx-dq's or ExLlamaV2's) instead of measuring.")
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -394,7 +461,8 @@ def optimize(measurement: str, bpw: float, output: str, mlx_lm_compatible: bool,
 @click.option("--no-sequential", is_flag=True, help="Feed each layer the unquantized model's activations.")
 @click.option("--no-clip", is_flag=True, help="Turn the per-group clip search off.")
 @click.option("--force", is_flag=True,
-              help="Replace an existing output folder (only an earlier mlx-dq output; never one holding an input).")
+              help="Replace an existing output folder: only an earlier mlx-dq output holding nothing but its own "
+                   "files, never one holding an input.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=_Q.dtype, show_default=True,
               help="Dtype of scales, biases and 16-bit tensors (auto: the source's; bfloat16 needs --method rtn).")
 @click.option("--upload-repo", default=None, metavar="USER/NAME",
@@ -450,12 +518,12 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
     if bpw is not None:
         try:
             check_bpw(bpw)
-        except ValueError as e:
+        except MlxDqError as e:
             raise click.BadParameter(str(e), param_hint="--bpw") from None
     if head_option != "budget":
         try:
             QuantOption.parse(head_option)
-        except ValueError as e:
+        except MlxDqError as e:
             raise click.BadParameter(str(e), param_hint="--head-option") from None
     d_settings = _distill_settings(distill, calib, seed, rows=distill_rows, seq_len=distill_seq_len,
                                    steps=distill_steps, lr=distill_lr)
@@ -467,21 +535,18 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
         _print_estimate(model_spec, flops, "convert", **cost)
         return
     _announce(model_spec, "convert", **cost)
-    try:
-        if upload_repo is not None:
-            check_upload_ready(upload_repo)  # before any work: a long conversion must not end in "offline"
-        manifest = run_convert(
-            model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
-            mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed, frequent_rows=frequent_rows,
-            head_option=None if head_option == "budget" else head_option,
-            keep=keep, keep_outside_budget=keep_outside_budget, calib=calib, rows=rows, seq_len=seq_len, seed=seed,
-            method=method,
-            sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
-            command=_command_line(ctx), card_ref=upload_repo,
-            allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, distill=d_settings,
-        )
-    except (ValueError, FileExistsError, OSError) as e:
-        raise click.ClickException(_rank_tag(str(e))) from None
+    if upload_repo is not None:
+        check_upload_ready(upload_repo)  # before any work: a long conversion must not end in "offline"
+    manifest = run_convert(
+        model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
+        mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed, frequent_rows=frequent_rows,
+        head_option=None if head_option == "budget" else head_option,
+        keep=keep, keep_outside_budget=keep_outside_budget, calib=calib, rows=rows, seq_len=seq_len, seed=seed,
+        method=method,
+        sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
+        command=_command_line(ctx), card_ref=upload_repo,
+        allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, distill=d_settings,
+    )
     if not _is_root():  # under mlx.launch only rank 0 reports (and writes)
         return
     acc = manifest["accounting"]
@@ -513,31 +578,31 @@ def _distill_settings(distill: bool, calib: str | None, seed: int, **given: Any)
 @click.option("--width", default=5, show_default=True, type=click.IntRange(min=3), help="Characters per cell.")
 def inspect(folder: str, width: int) -> None:
     """Print the per-layer bit map and the accounting of a converted model FOLDER, after checking it is whole,
-    or summarize a file: plan, manifest, measurement, dynquant manifest, MLX config with kept_16bit or dashq record."""
+    or summarize a file: plan, manifest, measurement, dynquant manifest, MLX config with kept_16bit or dashq record.
+
+    The folder check is quick: files present with their recorded sizes, weight headers, config.json; it
+    does not read the weights (`mlx_dq verify` compares every weight file with its recorded sha256)."""
     from mlx_dq.report import bit_map, check_folder, read_manifest
 
     if not Path(folder).is_dir():
         from mlx_dq.formats import describe
 
-        try:
-            click.echo(describe(folder))
-        except ValueError as e:
-            raise click.ClickException(str(e)) from None
+        click.echo(describe(folder))
         return
-    try:
-        manifest = read_manifest(folder)
-        problems = check_folder(folder, manifest)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    manifest = read_manifest(folder)
+    problems = check_folder(folder, manifest)
     if problems:
         raise click.ClickException(f"{folder} does not match its manifest: " + "; ".join(problems[:5])
                                    + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     click.echo(bit_map(manifest, width=width))
+    click.echo("checked: files and sizes, weight headers, config.json (not the weights' sha256: "
+               f"`mlx_dq verify {folder}` checks those)")
 
 
 @main.command(context_settings=CONTEXT)
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--output", type=click.Path(file_okay=False), required=True, help="Output model folder.")
+@click.option("-o", "--output", type=click.Path(file_okay=False), required=True,
+              help=f"Output model folder. {WRITE_RULE}")
 @click.option("--model", "model_spec", default=None,
               help="Source (float) model to distil from [default: the source recorded in FOLDER's manifest].")
 @click.option("--calib", type=click.Path(exists=True), default=None,
@@ -553,7 +618,9 @@ def inspect(folder: str, width: int) -> None:
 @click.option("--temperature", default=_D.temperature, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Softmax temperature of the KL loss.")
 @click.option("--train-norms", is_flag=True, help="Also train the norm weights.")
-@click.option("--force", is_flag=True, help="Replace an existing output folder (only an earlier mlx-dq output).")
+@click.option("--force", is_flag=True,
+              help="Replace an existing output folder: only an earlier mlx-dq output holding nothing but its own "
+                   "files, never one holding an input.")
 def distill(folder: str, output: str, model_spec: str | None, calib: str | None, rows: int, seq_len: int, steps: int,
             batch_size: int, lr: float, seed: int, temperature: float, train_norms: bool, force: bool) -> None:
     """Distil FOLDER's quantized scales and biases against the source model's logits (codes stay fixed)."""
@@ -566,14 +633,9 @@ def distill(folder: str, output: str, model_spec: str | None, calib: str | None,
         spec = cost = None
     if spec is not None:
         _announce(spec, "distill", cost)
-    try:
-        rec = dist_mod.distill(model_spec, folder, output, calib=calib, rows=rows, seq_len=seq_len, steps=steps,
-                               batch_size=batch_size, lr=lr, seed=seed, temperature=temperature,
-                               train_norms=train_norms, force=force, say=click.echo)
-    except (ValueError, FileExistsError) as e:
-        raise click.ClickException(str(e)) from None
-    except OSError as e:
-        raise click.ClickException(f"cannot write {e.filename or output}: {e.strerror or e}") from None
+    rec = dist_mod.distill(model_spec, folder, output, calib=calib, rows=rows, seq_len=seq_len, steps=steps,
+                           batch_size=batch_size, lr=lr, seed=seed, temperature=temperature,
+                           train_norms=train_norms, force=force, say=click.echo)
     click.echo(f"KL on the training rows: {rec['kl_train_before']:.5f} -> {rec['kl_train_after']:.5f} "
                f"({rec['train_seconds']:.0f} s training)")
     click.echo(f"wrote {output}")
@@ -591,7 +653,8 @@ def distill(folder: str, output: str, model_spec: str | None, calib: str | None,
 @click.option("--batch-size", default=4, show_default=True, type=click.IntRange(min=1), help="Rows per forward pass.")
 @click.option("--speed/--no-speed", default=True, show_default=True, help="Time a short generation (tokens/s).")
 @click.option("--write/--no-write", default=True, show_default=True,
-              help="Add a results block to MODEL's mlx_dq.json when it has one.")
+              help="Add a results block to MODEL's mlx_dq.json and its card when it has one (no other file is "
+                   "written).")
 def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_len: int, seed: int,
           batch_size: int, speed: bool, write: bool) -> None:
     """Evaluate MODEL (an output folder or a source): perplexity, KL divergence and top-1 vs BASE, size, speed."""
@@ -601,15 +664,12 @@ def eval_(model: str, base: str | None, text_path: str | None, rows: int, seq_le
 
     try:
         texts, source = calib.resolve_eval_texts(text_path)
-    except ValueError as e:
+    except MlxDqError as e:
         raise click.BadParameter(str(e), param_hint="--text") from None
-    try:
-        q, tokenizer, _, folder = evaluate.load_for_eval(model)
-        base = base or (evaluate.manifest_base(folder) if folder is not None else None)
-        base_model = load_model(base, dtype=mx.float32)[0] if base else None
-        tokens = calib.sample_rows(tokenizer, texts, rows, seq_len, seed)
-    except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    q, tokenizer, _, folder = evaluate.load_for_eval(model)
+    base = base or (evaluate.manifest_base(folder) if folder is not None else None)
+    base_model = load_model(base, dtype=mx.float32)[0] if base else None
+    tokens = calib.sample_rows(tokenizer, texts, rows, seq_len, seed)
     t0 = time.perf_counter()
     result = evaluate.evaluate_model(q, tokens, base=base_model, batch_size=batch_size, folder=folder,
                                      tokenizer=tokenizer if speed else None, progress=True)
@@ -676,8 +736,9 @@ def _convert_notes(output: str, manifest: dict | None = None) -> None:
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--model", "model_spec", required=True, help="Model (spec, folder or config.json) to map the names onto.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True,
-              help="Where to write the plan.")
-@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not a plan.")
+              help=f"Where to write the plan; an earlier plan there is replaced. {WRITE_RULE}")
+@click.option("--force", is_flag=True, hidden=True,
+              help="No effect (kept for older scripts): only a plan mlx-dq wrote is replaced.")
 def import_plan(file: str, model_spec: str, output: str, force: bool) -> None:
     """Turn FILE (a dynquant manifest or an MLX config with kept_16bit) into an mlx_dq plan for a model."""
     from mlx_dq.formats import detect
@@ -685,18 +746,15 @@ def import_plan(file: str, model_spec: str, output: str, force: bool) -> None:
     from mlx_dq.formats.common import import_summary, modules_for, read_json
     from mlx_dq.optimize import save_plan
 
-    try:
-        _check_plan_output(output, file, force)
-        data = read_json(file)
-        kind = detect(data)
-        mod = {"dynquant": dynquant, "mlx_kept16": mlx_kept16}.get(kind)
-        if mod is None:
-            raise ValueError(f"{file}: a {kind} document, not a dynquant manifest or an MLX config with kept_16bit")
-        modules, model_type = modules_for(model_spec)
-        plan = mod.to_plan(data, modules, model_type, path=file)
-        save_plan(plan, output)
-    except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    _check_plan_output(output, file, model_spec)
+    data = read_json(file)
+    kind = detect(data)
+    mod = {"dynquant": dynquant, "mlx_kept16": mlx_kept16}.get(kind)
+    if mod is None:
+        raise InputError(f"{file}: a {kind} document, not a dynquant manifest or an MLX config with kept_16bit")
+    modules, model_type = modules_for(model_spec)
+    plan = mod.to_plan(data, modules, model_type, path=file)
+    save_plan(plan, output)
     for line in import_summary(plan):
         click.echo(line)
     click.echo(f"{plan.achieved_bpw:.4f} bpw over {len(plan.tensors)} tensors; plan written to {output}")
@@ -706,8 +764,10 @@ def import_plan(file: str, model_spec: str, output: str, force: bool) -> None:
 @click.argument("source", type=click.Path(exists=True))
 @click.option("--to", "form", type=click.Choice(["dynquant", "mlx-kept16", "dashq", "record"]), required=True,
               help="dynquant manifest, MLX config with kept_16bit, dashq record, or our record form.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="JSON file to write.")
-@click.option("--force", is_flag=True, help="Overwrite an existing OUTPUT that is not an earlier export.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
+              help=f"JSON file to write; an earlier export there is replaced. {WRITE_RULE}")
+@click.option("--force", is_flag=True, hidden=True,
+              help="No effect (kept for older scripts): only an earlier export is replaced.")
 def export(source: str, form: str, output: str, force: bool) -> None:
     """Write SOURCE (an output folder, its mlx_dq.json, or a plan) in another tool's form."""
     from mlx_dq.formats import dashq, dynquant, mlx_kept16
@@ -718,27 +778,37 @@ def export(source: str, form: str, output: str, force: bool) -> None:
     from mlx_dq.safety import guard_output_file
 
     path = Path(source) / MANIFEST_NAME if Path(source).is_dir() else Path(source)
-    try:
-        guard_output_file(output, "-o/--output", inputs=[("source", path)], force=force,
-                          kind="an earlier export (dynquant, MLX config or dashq record)",
-                          is_kind=lambda p: json_kind(p) in ("dynquant", "mlx_kept16", "dashq") or _is_record(p))
-        doc = read_json(path)
-        ours = isinstance(doc, dict) and (doc.get("schema") == MANIFEST_SCHEMA or doc.get("format") == "mlx_dq.plan")
-        if not ours:
-            raise ValueError(f"{path}: not an mlx_dq manifest or plan")
-        if form == "dynquant":
-            out = dynquant.from_ours(doc)
-        elif form == "mlx-kept16":
-            out = mlx_kept16.from_ours(doc)
-        else:
-            if doc.get("schema") != MANIFEST_SCHEMA:
-                raise ValueError(f"{path}: the {form} form needs a manifest (an output folder), not a plan")
-            out = dashq.record_from_manifest(doc)
-            out = dashq.to_dashq(out) if form == "dashq" else out
-        write_json_atomic(out, output)
-    except (ValueError, KeyError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    guard_output_file(output, "-o/--output", inputs=[("source", path), ("source", source)],
+                      kind="an earlier export (dynquant, MLX config or dashq record)",
+                      is_kind=lambda p: json_kind(p) in ("dynquant", "mlx_kept16", "dashq") or _is_record(p))
+    doc = read_json(path)
+    ours = isinstance(doc, dict) and (doc.get("schema") == MANIFEST_SCHEMA or doc.get("format") == "mlx_dq.plan")
+    if not ours:
+        raise InputError(f"{path}: not an mlx_dq manifest or plan")
+    _check_ours(doc, path)
+    if form == "dynquant":
+        out = dynquant.from_ours(doc)
+    elif form == "mlx-kept16":
+        out = mlx_kept16.from_ours(doc)
+    else:
+        if doc.get("schema") != MANIFEST_SCHEMA:
+            raise InputError(f"{path}: the {form} form needs a manifest (an output folder), not a plan")
+        out = dashq.record_from_manifest(doc)
+        out = dashq.to_dashq(out) if form == "dashq" else out
+    write_json_atomic(out, output)
     click.echo(f"wrote {output} ({form})")
+
+
+def _check_ours(doc: dict, path: Path) -> None:
+    """Refuse a damaged manifest or plan, naming what is wrong, before it is turned into another form."""
+    if doc.get("schema") == MANIFEST_SCHEMA:
+        from mlx_dq.writer import check_manifest
+
+        check_manifest(doc, path)
+    else:
+        from mlx_dq.optimize import load_plan
+
+        load_plan(path)
 
 
 def _is_record(path: str) -> bool:
@@ -753,11 +823,13 @@ def _is_record(path: str) -> bool:
         return False
 
 
-def _check_plan_output(output: str, file: str, force: bool) -> None:
-    """Refuse a plan output that is the input FILE or, without force, an existing file that is not a plan."""
+def _check_plan_output(output: str, file: str, model_spec: str) -> None:
+    """Refuse a plan output that is an input (FILE, the model's folder) or an existing file that is not a plan."""
     from mlx_dq.safety import guard_output_file
 
-    guard_output_file(output, "-o/--output", inputs=[("file", file)], force=force, kind="a plan", is_kind=_is_plan)
+    model = Path(model_spec).parent if Path(model_spec).is_file() else _source_path(model_spec)
+    guard_output_file(output, "-o/--output", inputs=[("file", file), ("model", model)], kind="a plan",
+                      is_kind=_is_plan)
 
 
 def _not_another_form(path: str) -> None:
@@ -767,10 +839,10 @@ def _not_another_form(path: str) -> None:
 
     kind = detect(read_json(path))
     if kind in ("dynquant", "mlx_kept16", "mlx_dq.plan"):
-        raise ValueError(f"{path} is a {kind} file, not a measurement: apply it with "
+        raise InputError(f"{path} is a {kind} file, not a measurement: apply it with "
                          f"'mlx_dq convert --plan {path}' (or 'mlx_dq import-plan'), view it with 'mlx_dq inspect'")
     if kind in ("dashq", "mlx_dq.manifest"):
-        raise ValueError(f"{path} is a {kind} file, not a measurement: view it with 'mlx_dq inspect'")
+        raise InputError(f"{path} is a {kind} file, not a measurement: view it with 'mlx_dq inspect'")
 
 
 def _upload(folder: str, repo_id: str, private: bool, after_convert: bool = False) -> None:
@@ -795,11 +867,8 @@ def upload(folder: str, repo_id: str, private: bool, list_only: bool) -> None:
     """Upload a converted model FOLDER (weights, config, tokenizer, card, manifest) to the hub repo USER/NAME."""
     from mlx_dq.hub import HubError, check_repo_id, upload_files
 
-    try:
-        check_repo_id(repo_id)
-        files = upload_files(folder)
-    except HubError as e:
-        raise click.ClickException(str(e)) from None
+    check_repo_id(repo_id)
+    files = upload_files(folder)
     if list_only:
         for f in files:
             click.echo(f)
@@ -831,35 +900,48 @@ def generate(model_dir: str, prompt: str, max_tokens: int, temp: float, top_p: f
     from mlx_dq.loader import load
 
     if prompt == "-":
-        prompt = click.get_text_stream("stdin").read()
+        prompt = _stdin_text()
     try:
         model, tokenizer = load(model_dir)
-    except (ValueError, OSError) as e:
+    except (MlxDqError, OSError) as e:
         raise click.ClickException(f"cannot load {model_dir}: {e}") from None
     if seed is not None:
         mx.random.seed(seed)
     if chat and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                tokenize=False)
+    elif not prompt:  # mlx-lm cannot start from no tokens at all
+        raise InputError("the prompt is empty: give some text with --prompt (or use the chat template, --chat)")
     mlx_lm.generate(model, tokenizer, prompt, verbose=True, max_tokens=max_tokens,
                     sampler=make_sampler(temp=temp, top_p=top_p))
+
+
+def _stdin_text() -> str:
+    """Standard input as UTF-8 text; InputError naming the first byte that is not (binary input)."""
+    import sys
+
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"--prompt -: standard input is not UTF-8 text (byte {e.start} cannot be decoded)") from None
 
 
 @main.command(context_settings=CONTEXT)
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
 def verify(folder: str) -> None:
-    """Check FOLDER's code before trusting it: its model file must be mlx-dq's own shim, byte for byte.
+    """Check FOLDER before trusting it: its model file must be mlx-dq's own shim, byte for byte, and every
+    weight file must have the size and sha256 its manifest records (headers and config.json are checked too).
 
     mlx-lm with --trust-remote-code imports whatever config.json's model_file
     names; run this on a folder from elsewhere first (or use mlx_dq generate /
     mlx_dq.load, which never run folder code).
     """
-    from mlx_dq.writer import verify_model_file
+    from mlx_dq.report import verify_folder
 
-    try:
-        click.echo(verify_model_file(folder))
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    lines = verify_folder(folder)
+    for line in lines:
+        click.echo(line)
 
 
 def _rank_tag(message: str) -> str:
@@ -897,12 +979,13 @@ def _estimate_parts(source: Any, flops: float | None, what: str, distill: Distil
 def _print_estimate(model_spec: str, flops: float | None, what: str, distill: DistillSettings | None = None,
                     **kw: Any) -> None:
     """Print the predicted cost of ``measure`` or ``convert`` (with its distillation) from the model's shapes."""
+    from mlx_dq.safety import finite_number
     from mlx_dq.sources import resolve
 
-    try:
-        parts = _estimate_parts(resolve(model_spec), flops, what, distill, **kw)
-    except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    if flops is not None:  # a rate of zero, below or not a number would print a time of the same kind
+        finite_number(flops, "--flops (float32 FLOP/s)", positive=True)
+    source = resolve(model_spec)
+    parts = _estimate_parts(source, flops, what, distill, **kw)
     for p in parts:
         for line in p.lines():
             click.echo(line)
@@ -910,6 +993,8 @@ def _print_estimate(model_spec: str, flops: float | None, what: str, distill: Di
         click.echo(f"total: about {sum(p.seconds for p in parts) / 60:.1f} min, peak memory about "
                    f"{max(p.peak_bytes for p in parts) / 2**30:.2f} GiB, disk about "
                    f"{sum(p.disk_bytes for p in parts) / 2**20:.1f} MiB")
+    if note := _openblas_note(source, parts, what, distill, **kw):
+        click.echo(note)
 
 
 def _announce(model_spec: str, what: str, distill: DistillSettings | None = None, **kw: Any) -> None:
@@ -922,12 +1007,23 @@ def _announce(model_spec: str, what: str, distill: DistillSettings | None = None
     from mlx_dq.estimate import physical_memory, summary_line
     from mlx_dq.sources import resolve
 
-    try:
-        source = resolve(model_spec)
-    except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    source = resolve(model_spec)
     try:
         parts = _estimate_parts(source, None, what, distill, **kw)
     except Exception:  # noqa: BLE001  (the run that follows says what is wrong, once)
         return
-    click.echo(f"mlx_dq: {summary_line(parts, physical_memory())}", err=True)
+    note = _openblas_note(source, parts, what, distill, **kw)
+    click.echo(f"mlx_dq: {summary_line(parts, physical_memory())}" + (f"; {note}" if note else ""), err=True)
+
+
+def _openblas_note(source: Any, parts: list, what: str, distill: DistillSettings | None = None, **kw: Any) -> str:
+    """On Linux without OpenBLAS to preload: what to install and the run's time with it (its matmuls that much
+    faster); empty otherwise. Why: without it a first run is predicted, and takes, hours instead of minutes."""
+    from mlx_dq import openblas
+    from mlx_dq.estimate import format_seconds
+
+    if not parts or not openblas.missing():
+        return ""
+    fast = _estimate_parts(source, parts[0].flops * openblas.SPEEDUP, what, distill, **kw)
+    return (f"no OpenBLAS found: `{openblas.INSTALL}` would make it about "
+            f"{format_seconds(sum(p.seconds for p in fast))} (float32 matmuls about {openblas.SPEEDUP:g}x faster)")

@@ -18,6 +18,7 @@ leaves a folder that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ from . import calib as calib_mod
 from . import distributed as dist
 from . import hub
 from .card import source_metadata, write_card
+from .errors import InputError
 from .formats.facts import add_facts
 from .loader import _set_module
 from .measurement import Measurement, save_measurement
@@ -45,7 +47,7 @@ from .plans import (available_hot_rows, model_shapes, plan_from_options,  # noqa
                     planned_row_splits, resolve_plan)
 from .quantize import METHODS, StreamOptions, quantize_stream, quantize_tensor  # noqa: F401  (re-exported)
 from .rowsplit import HotRows, RowSplitEmbedding
-from .safety import check_bpw, guard_output_folder
+from .safety import check_bpw, guard_output_folder, output_lock
 from .settings import DistillSettings, PlanSettings, QuantizeSettings
 from .sources import build_model, resolve
 from .writer import (DEFAULT_SHARD_BYTES, MANIFEST_NAME, MODEL_FILE, MODEL_FILE_TEXT, ShardWriter,  # noqa: F401
@@ -169,39 +171,42 @@ def convert(
     """
     t_start = time.perf_counter()
     job = _prepare(model, out_dir, plan, measurement, force, options)
-    job.distill = distill_settings(distill, job.q)
-    meas_path = job.out.parent / f".{job.out.name}.measurement.json"
-    mkw = {**job.q.measure_defaults(), **(measure_kwargs or {})}
-    q = job.q
-    texts, tokens = calib_mod.calibration_rows(job.source.tokenizer(), q.calib, q.rows, q.seq_len, q.seed)
-    text_ids = calib_mod.text_token_ids(job.source.tokenizer(), texts, tokens)
-    if dist.is_root() or (plan is None and measurement is None):  # measuring takes every rank
-        job.plan, job.measurement = resolve_plan(
-            job.source, bpw=job.p.bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
-            mlx_lm_compatible=job.p.mlx_lm_compatible, head_option=job.p.head_option, keep=job.p.keep,
-            measure_kwargs=mkw, progress=progress, keep_outside_budget=job.p.keep_outside_budget,
-            allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, notes=job.notes,
-            hot_rows=_hot_rows(job, text_ids),
-        )
-    job.plan = dist.broadcast(job.plan)  # rank 0's plan is the one every rank applies
-    options_ = {e.key: QuantOption.parse(e.option) for e in job.plan.tensors}
-    unplanned = sorted(k for k in model_shapes(job.source.config) if k not in options_)
-    if unplanned and not isinstance(plan, dict):
-        job.notes.append(f"{len(unplanned)} tensor(s) not in the plan stay 16-bit: {', '.join(unplanned[:4])}"
-                         + (f" (and {len(unplanned) - 4} more)" if len(unplanned) > 4 else ""))
-    how = StreamOptions(method=q.method, sequential=q.sequential, clip=q.clip, damp=q.damp,
-                        promote_mixed=q.promote_mixed, scale_dtype=job.out_dtype)
-    stream = quantize_stream(job.source, options_, tokens, how=how, progress=progress and dist.is_root(),
-                             row_splits=planned_row_splits(job.plan, text_ids), _fail_after_layer=_fail_after_layer)
-    if not dist.is_root():  # the other ranks quantize their share; rank 0 writes the folder
-        for _ in stream:
-            pass
-        return dist.broadcast(None)
-    manifest = _write_folder(job, stream, texts, shard_bytes, force, t_start, command, card_ref,
-                             measurement if isinstance(measurement, (str, Path)) else None, out_dir, progress)
-    meas_path.unlink(missing_ok=True)
-    Path(str(meas_path) + ".state.safetensors").unlink(missing_ok=True)
-    return dist.broadcast(manifest)
+    # a second run into the same output stops now, naming this one (rank 0 alone writes, so it alone locks)
+    with output_lock(job.out) if dist.is_root() else contextlib.nullcontext():
+        job.distill = distill_settings(distill, job.q)
+        meas_path = job.out.parent / f".{job.out.name}.measurement.json"
+        mkw = {**job.q.measure_defaults(), **(measure_kwargs or {})}
+        q = job.q
+        texts, tokens = calib_mod.calibration_rows(job.source.tokenizer(), q.calib, q.rows, q.seq_len, q.seed)
+        text_ids = calib_mod.text_token_ids(job.source.tokenizer(), texts, tokens)
+        if dist.is_root() or (plan is None and measurement is None):  # measuring takes every rank
+            job.plan, job.measurement = resolve_plan(
+                job.source, bpw=job.p.bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
+                mlx_lm_compatible=job.p.mlx_lm_compatible, head_option=job.p.head_option, keep=job.p.keep,
+                measure_kwargs=mkw, progress=progress, keep_outside_budget=job.p.keep_outside_budget,
+                allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, notes=job.notes,
+                hot_rows=_hot_rows(job, text_ids),
+            )
+        job.plan = dist.broadcast(job.plan)  # rank 0's plan is the one every rank applies
+        options_ = {e.key: QuantOption.parse(e.option) for e in job.plan.tensors}
+        unplanned = sorted(k for k in model_shapes(job.source.config) if k not in options_)
+        if unplanned and not isinstance(plan, dict):
+            job.notes.append(f"{len(unplanned)} tensor(s) not in the plan stay 16-bit: {', '.join(unplanned[:4])}"
+                             + (f" (and {len(unplanned) - 4} more)" if len(unplanned) > 4 else ""))
+        how = StreamOptions(method=q.method, sequential=q.sequential, clip=q.clip, damp=q.damp,
+                            promote_mixed=q.promote_mixed, scale_dtype=job.out_dtype)
+        stream = quantize_stream(job.source, options_, tokens, how=how, progress=progress and dist.is_root(),
+                                 row_splits=planned_row_splits(job.plan, text_ids),
+                                 _fail_after_layer=_fail_after_layer)
+        if not dist.is_root():  # the other ranks quantize their share; rank 0 writes the folder
+            for _ in stream:
+                pass
+            return dist.broadcast(None)
+        manifest = _write_folder(job, stream, texts, shard_bytes, force, t_start, command, card_ref,
+                                 measurement if isinstance(measurement, (str, Path)) else None, out_dir, progress)
+        meas_path.unlink(missing_ok=True)
+        Path(str(meas_path) + ".state.safetensors").unlink(missing_ok=True)
+        return dist.broadcast(manifest)
 
 
 def _hot_rows(job: _Job, tokens: np.ndarray) -> dict[str, HotRows]:
@@ -249,7 +254,7 @@ def _prepare(model: str, out_dir: str | Path, plan: Any, measurement: Any, force
     p = PlanSettings().with_options(**{**popts, **({"keep": tuple(popts["keep"])} if "keep" in popts else {})})
     out = Path(out_dir)
     if plan is not None and (p.bpw is not None or measurement is not None):
-        raise ValueError("a plan is applied as is: do not give a bpw target or a measurement with it")
+        raise InputError("a plan is applied as is: do not give a bpw target or a measurement with it")
     if p.bpw is not None:
         check_bpw(p.bpw)
     if p.head_option is not None:
@@ -261,18 +266,19 @@ def _prepare(model: str, out_dir: str | Path, plan: Any, measurement: Any, force
         dtype = "bfloat16" if str(declared).endswith("bfloat16") else "float16"
     out_dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}[dtype]
     if out_dtype == mx.bfloat16 and q.method == "gptq":
-        raise ValueError("bfloat16 output needs method rtn (--method rtn): GPTQ rounds its codes against "
+        raise InputError("bfloat16 output needs method rtn (--method rtn): GPTQ rounds its codes against "
                          "float16 scales")
     guard_output_folder(out, force, [
         ("source model", source.path),
         ("measurement", measurement if isinstance(measurement, (str, Path)) else None),
         ("plan", plan if isinstance(plan, (str, Path)) else None),
+        ("calibration text", q.calib),
     ])
     if q.calib is not None:  # a bad calibration file fails now, not after the measurement
         calib_mod.load_texts(q.calib)
     for pat in p.keep:  # a keep pattern that matches nothing fails now, not after the measurement
         if not any(_match(k, [pat]) for k in model_shapes(source.config)):
-            raise ValueError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
+            raise InputError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
     return _Job(source, q, p, dtype, out_dtype, out)
 
 

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from . import calib as calib_mod
 from . import kernels
 from .loader import _set_module
+from .errors import InputError
 from .estimate import format_seconds
 from .names import MANIFEST_NAME
 from .settings import TEACHER_CACHE_BYTES, DistillSettings
@@ -159,7 +160,7 @@ def make_student(model: nn.Module, train_norms: bool = False) -> tuple[dict[str,
     """
     layers = quantized_layers(model)
     if not layers:
-        raise ValueError("the model has no affine-quantized layer: nothing to distill")
+        raise InputError("the model has no affine-quantized layer: nothing to distill")
     student = {p: _Trainable(m, kind) for p, (m, kind) in layers.items()}
     for p, t in student.items():
         _set_module(model, p, t)
@@ -277,33 +278,33 @@ def train(model: nn.Module, teacher: Callable[[list[int]], mx.array], rows: mx.a
 def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not folder.is_dir() or not path.is_file():
-        raise ValueError(f"{folder} is not a model folder (no config.json)")
+        raise InputError(f"{folder} is not a model folder (no config.json)")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} cannot be read as JSON: {e}") from None
+        raise InputError(f"{path} cannot be read as JSON: {e}") from None
     if not isinstance(config, dict) or not (config.get("quantization") or (config.get("mlx_dq") or {}).get("mixed")):
-        raise ValueError(f"{folder} is not a quantized model folder (config.json has no quantization)")
+        raise InputError(f"{folder} is not a quantized model folder (config.json has no quantization)")
     return config
 
 
 def _weight_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no .safetensors files in {folder}")
+        raise InputError(f"no .safetensors files in {folder}")
     return files
 
 
 def source_spec(folder: Path, source: str | None) -> str:
-    """The source model to distil ``folder`` against: ``source`` when given, else the one its manifest records."""
+    """The source model to distil ``folder`` against: ``source`` when given, else the one its manifest records
+    (refused when its fingerprint is not the recorded one: it would train against another teacher)."""
     if source is not None:
         return str(source)
-    from .writer import read_manifest
+    from .writer import recorded_source
 
-    manifest = read_manifest(folder, missing_ok=True) or {}
-    spec = (manifest.get("provenance", {}).get("source") or {}).get("spec")
+    spec = recorded_source(folder, flag="--model")  # checked against the recorded fingerprint
     if not spec:
-        raise ValueError(f"{folder} does not record its source model: give the source (--model)")
+        raise InputError(f"{folder} does not record its source model: give the source (--model)")
     return spec
 
 
@@ -311,7 +312,7 @@ def _check_same_model(teacher_cfg: dict, student_cfg: dict, source: str) -> None
     for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
         a, b = teacher_cfg.get(key), student_cfg.get(key)
         if a is not None and b is not None and a != b:
-            raise ValueError(f"the source {source} is not the quantized model's source: {key} {a} != {b}")
+            raise InputError(f"the source {source} is not the quantized model's source: {key} {a} != {b}")
 
 
 def _refresh_manifest(folder: Path, files: list[Path], record: dict) -> dict | None:
@@ -333,7 +334,7 @@ def _refresh_manifest(folder: Path, files: list[Path], record: dict) -> dict | N
 def _check_all_found(folder: Path, updates: dict[str, mx.array], seen: set[str]) -> None:
     missing = sorted(set(updates) - seen)
     if missing:
-        raise ValueError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
+        raise InputError(f"trained arrays not found in {folder}: {', '.join(missing[:4])}")
 
 
 def _replace_arrays(arrays: dict[str, mx.array], updates: dict[str, mx.array], seen: set[str]) -> bool:
@@ -341,7 +342,7 @@ def _replace_arrays(arrays: dict[str, mx.array], updates: dict[str, mx.array], s
     for k in list(arrays):
         if k in updates:
             if updates[k].shape != arrays[k].shape or updates[k].dtype != arrays[k].dtype:
-                raise ValueError(f"trained {k} has shape/dtype {updates[k].shape}/{updates[k].dtype}, "
+                raise InputError(f"trained {k} has shape/dtype {updates[k].shape}/{updates[k].dtype}, "
                                  f"stored {arrays[k].shape}/{arrays[k].dtype}")
             arrays[k] = updates[k]
             seen.add(k)
@@ -497,7 +498,7 @@ def distill(
     Returns the distillation record (also in the output manifest under ``provenance.distill``):
     KL on the training rows before and after, per-step losses and timings.
     """
-    from .safety import guard_output_folder
+    from .safety import guard_output_folder, output_lock
     from .sources import resolve
 
     s = (settings or DistillSettings()).with_options(**options)
@@ -506,12 +507,14 @@ def distill(
     _weight_files(folder)
     spec = source_spec(folder, source)
     src = resolve(spec)
-    guard_output_folder(out, force, [("quantized model", folder), ("source model", src.path)])
+    guard_output_folder(out, force, [("quantized model", folder), ("source model", src.path),
+                                     ("calibration text", s.calib)])
     if s.calib is not None:
         calib_mod.load_texts(s.calib)
     _check_same_model(src.config, q_config, spec)
-    updates, record = distill_folder(src, spec, folder, s, input_label=str(folder), progress=progress, say=say)
-    _write(folder, out, updates, record, force, shard_bytes)
+    with output_lock(out):  # a second run into the same output stops, naming this one
+        updates, record = distill_folder(src, spec, folder, s, input_label=str(folder), progress=progress, say=say)
+        _write(folder, out, updates, record, force, shard_bytes)
     return record
 
 

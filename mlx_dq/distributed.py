@@ -37,6 +37,8 @@ from typing import Any, Iterable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .errors import InputError
+
 _GROUP: Any = None
 _INIT = False
 
@@ -203,7 +205,7 @@ class RowShare:
         self.batches = list(iter_batches(n_rows, batch_size))
         n, r = size(), rank()
         if n > 1 and len(self.batches) < n:
-            raise ValueError(
+            raise InputError(
                 f"{n} ranks need at least {n} batches of calibration rows: {n_rows} rows in batches of "
                 f"{batch_size} give {len(self.batches)}; use more rows"
             )

@@ -90,6 +90,15 @@ def format_seconds(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
 
 
+def _rate(flops: float | None) -> float:
+    """``flops`` checked (a positive finite FLOP/s; InputError otherwise), or this machine's rate timed when None."""
+    if flops is None:
+        return matmul_flops()
+    from .safety import finite_number
+
+    return finite_number(flops, "flops (float32 FLOP/s)", positive=True)
+
+
 def matmul_flops(n: int = 1024) -> float:
     """FLOP/s of a plain float32 ``mx.matmul`` [n, n] x [n, n] on the default device (best of 3)."""
     import mlx.core as mx
@@ -208,7 +217,7 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
             else:
                 macs += full * imp * vocab * hidden * (1 + recompute)  # each full option's KL (+ recomputed refs)
             head_extra = cached
-    f = flops or matmul_flops()
+    f = _rate(flops)
     held = _held_bytes(source, untied=bool(lookup_only))
     other_f32 = _outside_bytes(other, held[1])
     largest = max([_numel(s) for t in layers for _, s in t] + [_numel(s) for _, s in other])
@@ -286,7 +295,7 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
     ``measurement_bytes``: size of a given measurement file (copied into the output).
     """
     layers, other, hidden, lookup_only = _shapes(source)
-    f = flops or matmul_flops()
+    f = _rate(flops)
     meas = estimate_measure(source, method=method, flops=f, **(measure_kwargs or {})) if measure_first else None
     tokens = rows * seq_len
     # GPTQ's updates (out x in^2 / 2; the record's error is GPTQ's own, its reference sum the forward's output
@@ -341,7 +350,7 @@ def estimate_distill(source: Any, *, rows: int, seq_len: int, steps: int, batch_
     total = sum(_numel(s) for _, s in params)
     layers, other, hidden, _ = _shapes(source)
     vocab = max((s[0] for _, s in other), default=0)
-    f = flops or matmul_flops()
+    f = _rate(flops)
     macs = 3.0 * steps * batch_size * (seq_len - 1) * total + 3.0 * rows * (seq_len - 1) * total
     from .settings import TEACHER_CACHE_BYTES
 

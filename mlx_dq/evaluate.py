@@ -22,8 +22,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
+from .errors import InputError, IntegrityError
 from .names import MANIFEST_NAME
-from .writer import read_manifest
+from .writer import read_manifest, recorded_source
 
 
 def perplexity(model: nn.Module, rows: mx.array, batch_size: int = 8, progress: bool = False) -> float:
@@ -147,7 +148,7 @@ def weight_storage(model: nn.Module) -> tuple[int, int]:
     """
     counts = [c for c in map(_counted, _leaves(model)) if c is not None]
     if not counts:
-        raise ValueError(f"{type(model).__name__} has no Linear, Embedding or expert-bank weights to count")
+        raise InputError(f"{type(model).__name__} has no Linear, Embedding or expert-bank weights to count")
     ids = sum(int(m["hot_ids"].size) for m in model.modules() if type(m).__name__ == "RowSplitEmbedding")
     return sum(c[0] for c in counts) + ids * 32, sum(c[1] for c in counts)
 
@@ -176,7 +177,7 @@ def folder_bytes(folder: str | Path) -> int:
     """Bytes on disk of the weight files (``*.safetensors``) in a model folder."""
     files = list(Path(folder).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no .safetensors files in {folder}")
+        raise InputError(f"no .safetensors files in {folder}")
     return sum(f.stat().st_size for f in files)
 
 
@@ -286,7 +287,7 @@ def generation_speed(model: nn.Module, tokenizer, prompt: str = "The capital of 
     for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
         pass
     if last is None:
-        raise ValueError("generation produced no tokens")
+        raise InputError("generation produced no tokens")
     return float(last.generation_tps)
 
 
@@ -349,7 +350,12 @@ def load_for_eval(spec: str) -> tuple[nn.Module, Any, dict, Path | None]:
     path = Path(spec).expanduser()
     config_path = path / "config.json"
     if path.is_dir() and config_path.exists():
-        config = json.loads(config_path.read_text())
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise IntegrityError(f"{config_path} cannot be read as JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise IntegrityError(f"{config_path} is not a JSON object")
         if (path / MANIFEST_NAME).exists() or "quantization" in config:
             try:
                 from mlx_dq.loader import load as dq_load
@@ -367,9 +373,9 @@ def load_for_eval(spec: str) -> tuple[nn.Module, Any, dict, Path | None]:
 
 
 def manifest_base(folder: str | Path) -> str | None:
-    """The source model spec an mlx-dq output was made from (its manifest's provenance), if recorded."""
-    manifest = read_manifest(folder, missing_ok=True) or {}
-    return (manifest.get("provenance", {}).get("source") or {}).get("spec")
+    """The source model an mlx-dq output was made from (its manifest's provenance), if recorded; InputError when
+    that source is not found or is another model than the one recorded (its fingerprint differs)."""
+    return recorded_source(folder, flag="--base")
 
 
 def results_block(result: dict, base_model: nn.Module | None = None, manifest: dict | None = None) -> dict:

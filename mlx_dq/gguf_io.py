@@ -24,6 +24,8 @@ import gguf
 import mlx.core as mx
 import numpy as np
 
+from .errors import InputError
+
 MT = gguf.MODEL_TENSOR
 
 # GGUF tensor kind -> Hugging Face module path, shared by the supported families.
@@ -86,15 +88,15 @@ class GGUFFile:
         try:
             self.reader = gguf.GGUFReader(self.path, "r")
         except Exception as e:  # the gguf package raises ValueError/struct errors on junk
-            raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from e
+            raise InputError(f"{self.path} is not a readable GGUF file: {e}") from e
         self.arch = str(self.meta("general.architecture", ""))
         if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(
+            raise InputError(
                 f"GGUF architecture {self.arch!r} in {self.path} is not supported; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHS))}"
             )
         if int(self.meta("split.count", 1)) > 1:
-            raise ValueError(f"{self.path} is one part of a split GGUF; merge the parts first (llama-gguf-split --merge)")
+            raise InputError(f"{self.path} is one part of a split GGUF; merge the parts first (llama-gguf-split --merge)")
 
     def meta(self, key: str, default: Any = None) -> Any:
         """One metadata value (scalars, strings and arrays as Python values), or ``default``."""
@@ -104,7 +106,7 @@ class GGUFFile:
     def _arch_meta(self, key: str, default: Any = None, required: bool = False) -> Any:
         value = self.meta(f"{self.arch}.{key}", default)
         if required and value is None:
-            raise ValueError(f"{self.path} lacks the metadata key {self.arch}.{key}")
+            raise InputError(f"{self.path} lacks the metadata key {self.arch}.{key}")
         return value
 
     @cached_property
@@ -123,7 +125,7 @@ class GGUFFile:
             if t.name in _IGNORED:
                 continue
             if t.name not in to_hf:
-                raise ValueError(f"GGUF tensor {t.name!r} in {self.path} has no mlx-lm name for {self.arch}")
+                raise InputError(f"GGUF tensor {t.name!r} in {self.path} has no mlx-lm name for {self.arch}")
             out[to_hf[t.name]] = t
         return out
 
@@ -218,7 +220,7 @@ class GGUFFile:
         }
         dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         if freqs.shape != (dim // 2,) or not np.allclose(llama3_rope_divisors(cfg["rope_theta"], dim, scaling), freqs, rtol=1e-4):
-            raise ValueError(f"{self.path}: rope_freqs does not match llama3 rope scaling; this rope variant is not supported")
+            raise InputError(f"{self.path}: rope_freqs does not match llama3 rope scaling; this rope variant is not supported")
         return scaling
 
     def tokenizer_config(self) -> dict:
@@ -266,7 +268,7 @@ class GGUFFile:
             if value is not None:
                 fields[name] = value
         if not fields.get("tokens"):
-            raise ValueError(f"{self.path} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+            raise InputError(f"{self.path} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
         backend, _ = convert_gguf_tokenizer(self.arch, fields)
         if fields.get("pre_tokenizer_type") == "smollm":
             # llama.cpp's "smollm" pre-tokenizer splits digits one by one before the GPT-2 split.

@@ -15,6 +15,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
+from .errors import InputError
 from .names import ROLES, role_of  # noqa: F401  (the grid's roles; re-exported)
 from .options import QuantOption
 
@@ -34,44 +35,44 @@ def _read(path_or_name: str | Path) -> tuple[dict, str]:
     if is_path:
         path = Path(path_or_name)
         if not path.is_file():
-            raise ValueError(f"option grid file not found: {path}")
+            raise InputError(f"option grid file not found: {path}")
         source, text = str(path), path.read_text()
     else:
         res = resources.files("mlx_dq") / "configs" / f"{text_name}.json"
         if not res.is_file():
-            raise ValueError(f"unknown option grid {text_name!r}; built-in grids: {', '.join(grid_names())}")
+            raise InputError(f"unknown option grid {text_name!r}; built-in grids: {', '.join(grid_names())}")
         source, text = f"built-in grid {text_name!r}", res.read_text()
     try:
         return json.loads(text), source
     except json.JSONDecodeError as e:
-        raise ValueError(f"option grid {source} is not valid JSON: {e}") from e
+        raise InputError(f"option grid {source} is not valid JSON: {e}") from e
 
 
 def parse_grid(data: dict, source: str = "grid") -> dict[str, list[QuantOption]]:
     """Validate a grid's JSON object and parse its roles (only the roles it lists)."""
     if not isinstance(data, dict) or not isinstance(data.get("roles"), dict):
-        raise ValueError(f"option grid {source} must be a JSON object with a 'roles' object")
+        raise InputError(f"option grid {source} must be a JSON object with a 'roles' object")
     extra = set(data) - {"roles", "description"}
     if extra:
-        raise ValueError(f"option grid {source}: unknown top-level keys {sorted(extra)}")
+        raise InputError(f"option grid {source}: unknown top-level keys {sorted(extra)}")
     out: dict[str, list[QuantOption]] = {}
     for role, descs in data["roles"].items():
         if role not in ROLES:
-            raise ValueError(f"option grid {source}: unknown role {role!r}; valid roles: {', '.join(ROLES)}")
+            raise InputError(f"option grid {source}: unknown role {role!r}; valid roles: {', '.join(ROLES)}")
         if not isinstance(descs, list) or not descs:
-            raise ValueError(f"option grid {source}: role {role!r} needs a non-empty list of option descriptions")
+            raise InputError(f"option grid {source}: role {role!r} needs a non-empty list of option descriptions")
         opts = []
         for i, desc in enumerate(descs):
             try:
                 opt = QuantOption.parse(desc)
             except ValueError as e:
-                raise ValueError(f"option grid {source}: role {role!r} entry {i} ({desc!r}): {e}") from e
+                raise InputError(f"option grid {source}: role {role!r} entry {i} ({desc!r}): {e}") from e
             if opt.keep16:
-                raise ValueError(
+                raise InputError(
                     f"option grid {source}: role {role!r} entry {i}: 16-bit is chosen by the optimizer, not listed"
                 )
             if opt in opts:
-                raise ValueError(f"option grid {source}: role {role!r} lists {opt.desc} twice")
+                raise InputError(f"option grid {source}: role {role!r} lists {opt.desc} twice")
             opts.append(opt)
         out[role] = sorted(opts, key=lambda o: (o.nominal_bpw(), o.desc))
     return out

@@ -21,15 +21,9 @@ from urllib.parse import urlparse
 
 from .card import update_card
 from .errors import MlxDqError
-from .names import MANIFEST_NAME, MANIFEST_SCHEMA
+from .names import CARRIED_FILES, MANIFEST_NAME, MANIFEST_SCHEMA
 from .writer import read_manifest
 
-# Files of a source model folder that the output carries unchanged (cf. mlx-lm's download patterns).
-CARRIED_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "*.tiktoken", "tiktoken.model",
-    "chat_template.jinja", "chat_template.json", "generation_config.json",
-)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "tiktoken.model")
 _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _EXCLUDED_SUFFIXES = (".pyc", ".tmp", ".partial")
@@ -108,7 +102,8 @@ def check_upload_ready(repo_id: str) -> None:
 def upload_files(folder: str | Path) -> list[str]:
     """The files of output ``folder`` an upload sends, sorted (relative paths; hidden and temporary files left out).
 
-    HubError when the folder is not a complete mlx-dq output (no manifest, config or weights).
+    HubError when the folder is not a complete mlx-dq output (no manifest, config or weights) or fails
+    :func:`mlx_dq.report.verify_folder` (a model file that is not mlx-dq's shim, a changed weight file).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -130,6 +125,12 @@ def upload_files(folder: str | Path) -> list[str]:
         files.append(rel.as_posix())
     if not any(f.endswith(".safetensors") for f in files):
         raise HubError(f"{folder} holds no weights (*.safetensors): not a complete output folder")
+    from .report import verify_folder
+
+    try:
+        verify_folder(folder)  # what `mlx_dq verify` checks: the model file shim, sizes, headers, checksums
+    except MlxDqError as e:
+        raise HubError(f"not uploading {folder}: it fails `mlx_dq verify`: {e}") from None
     return files
 
 

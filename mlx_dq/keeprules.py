@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .errors import InputError
+
 
 def parse_parts(values: Sequence[str]) -> dict[str, list[str]] | None:
     """``NAME=PATTERN[,PATTERN...]`` values -> part name -> patterns (None when no value: default parts)."""
@@ -17,7 +19,7 @@ def parse_parts(values: Sequence[str]) -> dict[str, list[str]] | None:
     for v in values:
         name, sep, pats = v.partition("=")
         if not sep or not name.strip() or not pats.strip():
-            raise ValueError(f"--part expects NAME=PATTERN[,PATTERN...], got {v!r}")
+            raise InputError(f"--part expects NAME=PATTERN[,PATTERN...], got {v!r}")
         parts.setdefault(name.strip(), []).extend(p.strip() for p in pats.split(",") if p.strip())
     return parts or None
 
@@ -33,15 +35,15 @@ def parse_keep_counts(values: Sequence[str]) -> int | dict[str, int] | None:
         try:
             k = int(n)
         except ValueError:
-            raise ValueError(f"--keep-most-sensitive expects N or PART=N, got {v!r}") from None
+            raise InputError(f"--keep-most-sensitive expects N or PART=N, got {v!r}") from None
         if k < 0:
-            raise ValueError(f"--keep-most-sensitive: N must be >= 0, got {v!r}")
+            raise InputError(f"--keep-most-sensitive: N must be >= 0, got {v!r}")
         if sep:
             counts[name.strip()] = k
         else:
             plain = k
     if counts and plain is not None:
-        raise ValueError("--keep-most-sensitive: give either one N for every part or PART=N values, not both")
+        raise InputError("--keep-most-sensitive: give either one N for every part or PART=N values, not both")
     if plain is not None:
         return plain or None
     return counts
@@ -52,4 +54,4 @@ def check_parts(counts: int | dict[str, int] | None, parts: dict[str, list[str]]
     if isinstance(counts, dict) and parts is not None:
         unknown = sorted(set(counts) - set(parts))
         if unknown:
-            raise ValueError(f"--keep-most-sensitive names parts no --part defines: {', '.join(unknown)}")
+            raise InputError(f"--keep-most-sensitive names parts no --part defines: {', '.join(unknown)}")

@@ -99,6 +99,7 @@ import mlx.nn as nn
 import numpy as np
 from tqdm import tqdm
 
+from .errors import InputError
 from . import calib as calib_mod
 from .cpu_forward import cpu_forward
 from . import distributed as dist
@@ -112,7 +113,7 @@ from .quant import QuantizedTensor, exact_sums, output_error, quantize_weight, r
 from .replay import record_calls, replay
 from .quantize import (METHODS, join_rows, option_quantizer, quantize_rows,  # noqa: F401  (METHODS re-exported)
                        block_budget, quantized_blocks, row_blocks, tensor_work)
-from .safety import check_finite_weight
+from .safety import check_finite_weight, flag
 from .threads import thread_map
 from .sources import HALF_DTYPES, resolve
 from .settings import IMPORTANCE_MODES, MeasureSettings  # noqa: F401  (IMPORTANCE_MODES re-exported)
@@ -909,7 +910,7 @@ def _versions() -> dict[str, str]:
 
 def _grid_options(grid: dict[str, list[QuantOption]], role: str, key: str) -> list[QuantOption]:
     if role not in grid:
-        raise ValueError(f"{key}: the grid has no options for role {role!r} (roles: {sorted(grid)})")
+        raise InputError(f"{key}: the grid has no options for role {role!r} (roles: {sorted(grid)})")
     return list(grid[role])
 
 
@@ -1036,9 +1037,9 @@ def _resume(run: _Run) -> Measurement | None:
     if old is None:
         return None
     if old.extra.get("settings_digest") != run.digest:
-        raise ValueError(
+        raise InputError(
             f"{out} was measured with different settings (model, calibration, grid or importance); "
-            "pass resume=False (--no-resume) to overwrite it"
+            f"pass {flag('resume', False)} to overwrite it"
         )
     if old.extra.get("complete"):
         return old

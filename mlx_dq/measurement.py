@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .errors import InputError
 from .names import layer_index, role_of
 from .options import VALID_BITS, VALID_GROUPS, QuantOption, Segment
 
@@ -100,10 +101,10 @@ class TensorRecord:
     def __post_init__(self) -> None:
         self.shape = tuple(int(d) for d in self.shape)
         if len(self.shape) < 2:
-            raise ValueError(f"tensor {self.key!r}: shape must be [out, in] or [E, out, in], got {self.shape}")
+            raise InputError(f"tensor {self.key!r}: shape must be [out, in] or [E, out, in], got {self.shape}")
         n = math.prod(self.shape)
         if self.numel and self.numel != n:
-            raise ValueError(f"tensor {self.key!r}: numel {self.numel} does not match shape {self.shape}")
+            raise InputError(f"tensor {self.key!r}: numel {self.numel} does not match shape {self.shape}")
         self.numel = n
 
     def add_option(self, option: QuantOption, err: float | None, **kw: Any) -> OptionRecord:
@@ -240,14 +241,14 @@ def map_exl2_qparams(qparams: Mapping, in_features: int | None = None, mode: str
     do not divide ``in_features`` are skipped.
     """
     if mode not in ("storage", "layout", "uniform"):
-        raise ValueError(f"EXL2 mapping mode must be 'storage', 'layout' or 'uniform', got {mode!r}")
+        raise InputError(f"EXL2 mapping mode must be 'storage', 'layout' or 'uniform', got {mode!r}")
     try:
         bits = [int(b) for b in qparams["bits"]]
         props = [float(p) for p in qparams["bits_prop"]]
         gmap = {str(k): int(v) for k, v in qparams["group_size"].items()}
         sbits = int(qparams.get("scale_bits", 4))
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"malformed ExLlamaV2 qparams {qparams!r}: {e}") from None
+        raise InputError(f"malformed ExLlamaV2 qparams {qparams!r}: {e}") from None
     if bits == [16]:
         return QuantOption.fp16()
     if mode == "uniform" and len(bits) > 1:
@@ -315,7 +316,7 @@ def _recover_shape(key: str, numel: int, options: Sequence[Mapping], path: str) 
             continue
         if all(exl2_storage_bits(rows, cols, o["qparams"]) == round(float(o["total_bits"])) for o in options):
             return (cols, rows)
-    raise ValueError(f"{path}: cannot recover the shape of {key!r} (numel {numel}) from its total_bits")
+    raise InputError(f"{path}: cannot recover the shape of {key!r} (numel {numel}) from its total_bits")
 
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -370,15 +371,15 @@ def _recover_joint_shapes(module: str, options: Sequence[Mapping], hidden: int |
             shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
             if check(shapes):
                 return shapes
-    raise ValueError(
+    raise InputError(
         f"{path}: cannot recover the shapes of the members {members} of {module!r} from total_bits; "
         "pass shapes={key: [out, in], ...} to load_measurement"
     )
 
 
 # --------------------------------------------------------------------------- readers
-def _fail(path: str, what: str) -> ValueError:
-    return ValueError(f"{path}: {what}")
+def _fail(path: str, what: str) -> InputError:
+    return InputError(f"{path}: {what}")
 
 
 def _need(obj: Mapping, name: str, where: str, path: str) -> Any:
@@ -391,17 +392,17 @@ def _read_json(path: str) -> Any:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(f"{path}: no such measurement file") from None
+        raise InputError(f"{path}: no such measurement file") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a text file (expected a JSON measurement)") from None
+        raise InputError(f"{path}: not a text file (expected a JSON measurement)") from None
     if not text.strip():
-        raise ValueError(f"{path}: empty file (expected a JSON measurement)")
+        raise InputError(f"{path}: empty file (expected a JSON measurement)")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         trunc = e.pos >= len(text.rstrip()) - 1
         kind = "truncated JSON (the file ends early)" if trunc else "not valid JSON"
-        raise ValueError(f"{path}: {kind}: {e.msg} at line {e.lineno} column {e.colno}") from None
+        raise InputError(f"{path}: {kind}: {e.msg} at line {e.lineno} column {e.colno}") from None
 
 
 def detect_format(data: Any) -> str:
@@ -446,7 +447,7 @@ def load_measurement(
         except (TypeError, KeyError, AttributeError, IndexError, OverflowError, ZeroDivisionError) as e:
             raise _fail(path, f"malformed measurement: {type(e).__name__}: {e}") from None
     keys = sorted(data)[:8] if isinstance(data, dict) else type(data).__name__
-    raise ValueError(
+    raise InputError(
         f"{path}: not a measurement file (expected our 'mlx_dq.measurement' JSON or an ExLlamaV2 "
         f"measurement with a 'measurement' list or dict; found {keys})"
     )
@@ -748,7 +749,7 @@ def _check_option(r: OptionRecord, where: str, path: str) -> None:
             finite_number(r.damage, "damage", minimum=0.0)
         finite_number(r.bpw, "bpw", minimum=0.0)
         if r.total_bits < 0:
-            raise ValueError(f"total_bits must be >= 0, got {r.total_bits}")
+            raise InputError(f"total_bits must be >= 0, got {r.total_bits}")
     except ValueError as e:
         raise _fail(path, f"{where} ({r.desc}): {e}") from None
 

@@ -14,6 +14,13 @@ MANIFEST_NAME = "mlx_dq.json"  # an output folder's manifest
 MANIFEST_SCHEMA = "mlx_dq.manifest"
 MODEL_FILE = "mlx_dq_model.py"  # the model file shim of folders with mixed-proportion layers
 
+# Files of a source model folder that an output carries unchanged (cf. mlx-lm's download patterns).
+CARRIED_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "*.tiktoken", "tiktoken.model",
+    "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+
 ROLES = ("attn_in", "attn_out", "mlp_in", "mlp_out", "embed_head", "expert_in", "expert_out", "default")
 HEAD_ROLES = ("embed_head", "embed", "head")  # "embed"/"head": roles of older measurement files
 

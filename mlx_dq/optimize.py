@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .errors import InputError
 from .names import default_bits_group, in_head_scope, split_layer
 from .measurement import Measurement, OptionRecord, TensorRecord, write_json_atomic
 from .options import QuantOption
@@ -114,25 +115,25 @@ def load_plan(path: str | Path) -> Plan:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path}: no such plan file") from None
+        raise InputError(f"{path}: no such plan file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON plan ({e})") from None
+        raise InputError(f"{path}: not a JSON plan ({e})") from None
     except OSError as e:
-        raise ValueError(f"{path}: cannot read the plan ({e.strerror or e})") from None
+        raise InputError(f"{path}: cannot read the plan ({e.strerror or e})") from None
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-        raise ValueError(f"{path}: not an {PLAN_FORMAT} file")
+        raise InputError(f"{path}: not an {PLAN_FORMAT} file")
     if data.get("version") != PLAN_VERSION:
-        raise ValueError(f"{path}: unsupported plan version {data.get('version')!r}")
+        raise InputError(f"{path}: unsupported plan version {data.get('version')!r}")
     data = {k: v for k, v in data.items() if k not in ("format", "version")}
     try:
         entries = [PlanEntry(**e) for e in data.pop("tensors")]
         plan = Plan(**data, tensors=entries)
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{path}: malformed plan: {e}") from None
+        raise InputError(f"{path}: malformed plan: {e}") from None
     try:
         _validate_plan(plan)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise InputError(f"{path}: {e}") from None
     return plan
 
 
@@ -148,36 +149,36 @@ def _validate_plan(plan: Plan) -> None:
     for name in ("budget_bits", "used_bits", "numel"):
         v = getattr(plan, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+            raise InputError(f"{name} must be a non-negative integer, got {v!r}")
     if not isinstance(plan.tensors, list) or not plan.tensors:
-        raise ValueError("the plan lists no tensors")
+        raise InputError("the plan lists no tensors")
     if not isinstance(plan.source, dict) or not isinstance(plan.settings, dict) or not isinstance(plan.kept, list):
-        raise ValueError("malformed plan: 'source' and 'settings' must be objects, 'kept' a list")
+        raise InputError("malformed plan: 'source' and 'settings' must be objects, 'kept' a list")
     seen = set()
     for e in plan.tensors:
         if not isinstance(e.key, str) or not e.key:
-            raise ValueError(f"a tensor key must be a non-empty string, got {e.key!r}")
+            raise InputError(f"a tensor key must be a non-empty string, got {e.key!r}")
         if e.key in seen:
-            raise ValueError(f"tensor {e.key!r} is listed twice")
+            raise InputError(f"tensor {e.key!r} is listed twice")
         seen.add(e.key)
         where = f"tensor {e.key!r}"
         if not isinstance(e.option, str):
-            raise ValueError(f"{where}: option must be a string, got {e.option!r}")
+            raise InputError(f"{where}: option must be a string, got {e.option!r}")
         try:
             QuantOption.parse(e.option)
         except (ValueError, TypeError, AttributeError) as err:
-            raise ValueError(f"{where}: {err}") from None
+            raise InputError(f"{where}: {err}") from None
         if (not isinstance(e.shape, list) or len(e.shape) < 2
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in e.shape)):
-            raise ValueError(f"{where}: shape must be a list of positive integers, got {e.shape!r}")
+            raise InputError(f"{where}: shape must be a list of positive integers, got {e.shape!r}")
         if isinstance(e.numel, bool) or e.numel != math.prod(e.shape):
-            raise ValueError(f"{where}: numel {e.numel!r} does not match shape {e.shape}")
+            raise InputError(f"{where}: numel {e.numel!r} does not match shape {e.shape}")
         if isinstance(e.bits, bool) or not isinstance(e.bits, int) or e.bits < 0:
-            raise ValueError(f"{where}: bits must be a non-negative integer, got {e.bits!r}")
+            raise InputError(f"{where}: bits must be a non-negative integer, got {e.bits!r}")
         if e.err is not None:
             finite_number(e.err, f"{where}: err", minimum=0.0)
         if e.scope not in ("budget", "head", "kept"):
-            raise ValueError(f"{where}: scope must be budget, head or kept, got {e.scope!r}")
+            raise InputError(f"{where}: scope must be budget, head or kept, got {e.scope!r}")
 
 
 # --------------------------------------------------------------------------- problem
@@ -244,10 +245,10 @@ def _build(
 ) -> _Problem:
     """Turn a measurement and the user's rules into knapsack items plus fixed entries."""
     if not isinstance(target_bpw, (int, float)) or not math.isfinite(target_bpw) or target_bpw <= 0:
-        raise ValueError(f"target bpw must be a positive number, got {target_bpw!r}")
+        raise InputError(f"target bpw must be a positive number, got {target_bpw!r}")
     head_opt = QuantOption.parse(head_option) if isinstance(head_option, str) else head_option
     if mlx_lm_compatible and head_opt is not None and head_opt.is_mixed:
-        raise ValueError(f"head option {head_opt.desc} is mixed; --mlx-lm-compatible needs a whole-tensor option")
+        raise InputError(f"head option {head_opt.desc} is mixed; --mlx-lm-compatible needs a whole-tensor option")
     fixed: list[PlanEntry] = []
     kept: set[str] = set()
     items: list[_Item] = []
@@ -263,7 +264,7 @@ def _build(
         if head_opt is not None and _head_scope(m, t):
             opt = QuantOption.fp16() if _match(t.key, keep) else head_opt
             if not opt.fits(t.shape[-1]):
-                raise ValueError(f"head option {opt.desc} does not fit {t.key!r} with {t.shape[-1]} inputs")
+                raise InputError(f"head option {opt.desc} does not fit {t.key!r} with {t.shape[-1]} inputs")
             rec = t.find(opt)
             scope = "kept" if opt.keep16 else "head"
             if opt.keep16:
@@ -273,7 +274,7 @@ def _build(
             continue
         recs = [r for r in t.options if allowed(r.option)]
         if not recs:
-            raise ValueError(f"tensor {t.key!r} has no usable option"
+            raise InputError(f"tensor {t.key!r} has no usable option"
                              + (" (only mixed options were measured)" if mlx_lm_compatible else ""))
         items.append(_Item(
             t.key, [t.key], t.numel, np.array([r.total_bits for r in recs], dtype=np.int64),
@@ -283,7 +284,7 @@ def _build(
     for g in m.groups.values():
         opts = [o for o in g.options if all(allowed(r.option) for r in o.members.values())]
         if not opts:
-            raise ValueError(f"module {g.key!r} has no usable joint option"
+            raise InputError(f"module {g.key!r} has no usable joint option"
                              + (" (every one has a mixed member)" if mlx_lm_compatible else ""))
         items.append(_Item(
             g.key, list(g.members), sum(m.tensors[k].numel for k in g.members),
@@ -296,7 +297,7 @@ def _build(
     all_keys = [k for it in items for k in it.members] + [e.key for e in fixed]
     for pat in keep:
         if not any(_match(k, [pat]) for k in all_keys):
-            raise ValueError(f"keep pattern {pat!r} matches no tensor of the measurement")
+            raise InputError(f"keep pattern {pat!r} matches no tensor of the measurement")
     ref_sens = {it.key: _sensitivity(it, target_bpw) for it in items}
     keep_keys = {k for it in items for k in it.members if _match(k, keep)}
     if keep_most_sensitive:
@@ -407,8 +408,8 @@ class _JointKept:
         return self.base.err
 
 
-def _range_error(p: _Problem, lo: int, hi: int, what: str) -> ValueError:
-    return ValueError(
+def _range_error(p: _Problem, lo: int, hi: int, what: str) -> InputError:
+    return InputError(
         f"target {p.target:g} bpw is {what}: achievable range for this measurement is "
         f"{lo / p.numel:.4f} to {hi / p.numel:.4f} bpw"
         + (" (mlx-lm compatible options only)" if p.settings.get("mlx_lm_compatible") else "")
@@ -417,7 +418,7 @@ def _range_error(p: _Problem, lo: int, hi: int, what: str) -> ValueError:
 
 def _check_range(p: _Problem) -> None:
     if not p.items:
-        raise ValueError("the measurement has no tensor to plan inside the budget")
+        raise InputError("the measurement has no tensor to plan inside the budget")
     lo = sum(int(it.bits.min()) for it in p.items)
     hi = sum(int(it.bits.max()) for it in p.items)
     if p.budget < lo:

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
+from .errors import InputError
+
 VALID_BITS = (2, 3, 4, 5, 6, 8)
 VALID_GROUPS = (32, 64, 128)
 SCALE_BITS = 16  # scales and biases are stored in the weight's 16-bit dtype
@@ -37,11 +39,11 @@ class Segment:
 
     def __post_init__(self) -> None:
         if self.bits not in VALID_BITS:
-            raise ValueError(f"bits must be one of {VALID_BITS}, got {self.bits}")
+            raise InputError(f"bits must be one of {VALID_BITS}, got {self.bits}")
         if self.group_size not in VALID_GROUPS:
-            raise ValueError(f"group size must be one of {VALID_GROUPS}, got {self.group_size}")
+            raise InputError(f"group size must be one of {VALID_GROUPS}, got {self.group_size}")
         if not (0.0 < self.prop <= 1.0 + 1e-9):
-            raise ValueError(f"segment proportion must be in (0, 1], got {self.prop}")
+            raise InputError(f"segment proportion must be in (0, 1], got {self.prop}")
 
 
 @dataclass(frozen=True)
@@ -54,16 +56,16 @@ class QuantOption:
     def __post_init__(self) -> None:
         if self.keep16:
             if self.segments:
-                raise ValueError("a 16-bit option has no segments")
+                raise InputError("a 16-bit option has no segments")
             return
         if not self.segments:
-            raise ValueError("an option needs at least one segment or keep16=True")
+            raise InputError("an option needs at least one segment or keep16=True")
         total = sum(s.prop for s in self.segments)
         if abs(total - 1.0) > 1e-6:
-            raise ValueError(f"segment proportions must sum to 1, got {total:.6g}")
+            raise InputError(f"segment proportions must sum to 1, got {total:.6g}")
         bits = [s.bits for s in self.segments]
         if bits != sorted(bits, reverse=True) or len(set(bits)) != len(bits):
-            raise ValueError(f"segment bit widths must be distinct and descending, got {bits}")
+            raise InputError(f"segment bit widths must be distinct and descending, got {bits}")
 
     # ----------------------------------------------------------------- naming
     @classmethod
@@ -80,7 +82,7 @@ class QuantOption:
     def parse(cls, desc: str) -> "QuantOption":
         """Parse an EXL2-style description; a trailing ``s4`` scale tag is ignored."""
         if not isinstance(desc, str) or not desc.strip():
-            raise ValueError(f"empty option description: {desc!r}")
+            raise InputError(f"empty option description: {desc!r}")
         text = desc.strip()
         if text.lower() in (KEEP16_DESC, "fp16", "bf16", "16b"):
             return cls.fp16()
@@ -89,7 +91,7 @@ class QuantOption:
         for part in text.split("/"):
             m = _SEG_RE.match(part)
             if not m:
-                raise ValueError(f"cannot parse option description {desc!r} (bad part {part!r})")
+                raise InputError(f"cannot parse option description {desc!r} (bad part {part!r})")
             segs.append(Segment(int(m.group(2)), int(m.group(3)), float(m.group(1))))
         segs.sort(key=lambda s: -s.bits)
         return cls(tuple(segs))
@@ -130,7 +132,7 @@ class QuantOption:
         for s in self.segments:
             align = math.lcm(align, s.group_size)
         if in_features % align != 0:
-            raise ValueError(
+            raise InputError(
                 f"in_features={in_features} is not a multiple of the option's groups ({align}) for {self.desc}"
             )
         if in_features % FAST_ALIGN == 0 and in_features // FAST_ALIGN >= 8:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 
 from . import measure as measure_mod
 from .capture import quantizable_modules
+from .errors import InputError
 from .formats import load_plan_any
 from .formats.common import model_modules
 from .formats.exl2 import complete_head
@@ -61,8 +62,10 @@ def resolve_plan(
         notes += check_plan_input(p, plan, source, allow_other_model)
         return p, None
     if bpw is None:
-        raise ValueError("give a bits-per-weight target (bpw) or a plan")
+        raise InputError("give a bits-per-weight target (bpw) or a plan")
     if measurement is None:
+        if not keep:  # a kept tensor counts 16 bits in the budget: then only the optimizer knows the range
+            check_target_in_grid(source, bpw, measure_kwargs.get("grid"), mlx_lm_compatible, head_option)
         m = measure_mod.measure(source, out_path=measurement_path, progress=progress, **measure_kwargs)
     else:
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
@@ -151,7 +154,7 @@ def plan_from_options(options: dict[str, str], source: Any) -> Plan:
     entries, used, numel = [], 0, 0
     for key, desc in options.items():
         if key not in mods:
-            raise ValueError(f"the recipe names a tensor the model does not have: {key!r}")
+            raise InputError(f"the recipe names a tensor the model does not have: {key!r}")
         opt = QuantOption.parse(desc)
         shape = [int(d) for d in mods[key].weight.shape]
         bits = opt.storage_bits(shape)
@@ -188,6 +191,37 @@ def planned_row_splits(p: Plan, tokens: Any) -> dict[str, tuple[Any, QuantOption
     return out
 
 
+def grid_bpw_range(source: Any, grid: Any = None, mlx_lm_compatible: bool = False,
+                   head_option: str | None = None) -> tuple[float, float]:
+    """The least and most bits per weight a plan from ``grid``'s options can reach on ``source``'s budget tensors
+    (each at its cheapest or dearest fitting option; 16-bit when none fits), from the shapes alone."""
+    from .grids import load_grid
+    from .names import in_head_scope, role_of
+
+    grid_map = grid if isinstance(grid, dict) else load_grid(grid)
+    lo = hi = numel = 0
+    for key, shape in model_shapes(source.config).items():
+        role = role_of(key)
+        if head_option is not None and in_head_scope(role, key):
+            continue
+        opts = [o for o in measure_mod.fitting_options(grid_map.get(role, []), shape[-1])
+                if not (mlx_lm_compatible and o.is_mixed)] or [QuantOption.fp16()]
+        bits = [o.storage_bits(shape) for o in opts]
+        lo, hi, numel = lo + min(bits), hi + max(bits), numel + math.prod(shape)
+    return lo / max(numel, 1), hi / max(numel, 1)
+
+
+def check_target_in_grid(source: Any, bpw: float, grid: Any = None, mlx_lm_compatible: bool = False,
+                         head_option: str | None = None) -> None:
+    """InputError before measuring when ``bpw`` is outside what ``grid``'s options can reach on ``source``: the
+    optimizer would refuse it only after the measurement."""
+    lo, hi = grid_bpw_range(source, grid, mlx_lm_compatible, head_option)
+    if not lo - 1e-9 <= bpw <= hi + 1e-9:
+        raise InputError(f"target {bpw:g} bpw is outside what the option grid ({grid or 'default'}) can reach on "
+                         f"{source.spec}: {lo:.4f} to {hi:.4f} bpw"
+                         + (" (mlx-lm compatible options only)" if mlx_lm_compatible else ""))
+
+
 def model_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Module path -> weight shape of every quantizable tensor of the model ``config`` describes (no weights)."""
     return {p: tuple(int(d) for d in m.weight.shape) for p, m in quantizable_modules(build_model(config)).items()}
@@ -220,19 +254,19 @@ def check_belongs_to(
             msg = (f"the {what} {path} was made for another model: {_describe(recorded)}, not {source.spec} "
                    f"({source.config.get('model_type')})")
             if not allow_other_model:
-                raise ValueError(msg + "; pass --allow-other-model to reuse it for a model of the same architecture")
+                raise InputError(msg + "; pass --allow-other-model to reuse it for a model of the same architecture")
             notes.append(msg + " (allowed by --allow-other-model)")
     else:
         notes.append(f"the {what} {path} carries no model fingerprint (another tool's file?): cannot check "
                      f"it was made for {source.spec}; only names and shapes are checked")
     unknown = sorted(k for k in shapes if k not in model_shapes_)
     if unknown:
-        raise ValueError(f"the {what} {path} names tensors that {source.spec} does not have: {unknown[:3]}"
+        raise InputError(f"the {what} {path} names tensors that {source.spec} does not have: {unknown[:3]}"
                          + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""))
     bad = [(k, tuple(s), model_shapes_[k]) for k, s in shapes.items() if tuple(s) != model_shapes_[k]]
     if bad:
         k, s, m = bad[0]
-        raise ValueError(f"the {what} {path} does not match {source.spec}: tensor {k!r} has shape {list(s)} there "
+        raise InputError(f"the {what} {path} does not match {source.spec}: tensor {k!r} has shape {list(s)} there "
                          f"but {list(m)} in the model" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
     return notes
 
@@ -252,7 +286,7 @@ def check_measurement_input(m: Any, given: Any, source: Any, allow_incomplete: b
     notes = []
     if not measurement_complete(m):
         if not allow_incomplete:
-            raise ValueError(
+            raise InputError(
                 f"the measurement {where} is unfinished (measured up to layer {m.last_module_idx}; embedding "
                 "and head not measured): resume it by running the same measure command again, or pass "
                 "--allow-incomplete to leave the unmeasured tensors 16-bit"

@@ -26,6 +26,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
+from .errors import InputError
 from .measurement import Measurement
 from .names import LAYER_RE
 from .options import QuantOption
@@ -104,7 +105,7 @@ def sensitivity_curves(measurement: Measurement, frontier: bool = False) -> list
         layer, kind = layer_and_kind(key)
         curves.append(Curve(key, layer, kind, role, bpw[idx], err[idx], tuple(pts[i][2] for i in idx), importance))
     if not curves:
-        raise ValueError("the measurement has no measured options to plot (it is empty or holds no errors)")
+        raise InputError("the measurement has no measured options to plot (it is empty or holds no errors)")
     return curves
 
 
@@ -192,7 +193,7 @@ def error_vs_bpw(
         chosen = [k for k in kinds if role in (k, k.rsplit(".", 1)[-1])
                  or any(c.role == role for c in curves if c.kind == k)]
         if not chosen:
-            raise ValueError(f"unknown role {role!r}: this measurement has the kinds "
+            raise InputError(f"unknown role {role!r}: this measurement has the kinds "
                              f"{', '.join(kinds)} and the roles {', '.join(roles)}")
         kinds = chosen
     fig, axes = _panels(ax, len(kinds), 4, (3.2, 2.7))
@@ -247,16 +248,16 @@ def error_heatmap(
     which makes tensors of different layers comparable.
     """
     if isinstance(option_or_bpw, bool) or not isinstance(option_or_bpw, (int, float, str, QuantOption)):
-        raise ValueError(f"expected a bits-per-weight number or an option, got {option_or_bpw!r}")
+        raise InputError(f"expected a bits-per-weight number or an option, got {option_or_bpw!r}")
     target = QuantOption.parse(option_or_bpw) if isinstance(option_or_bpw, str) else option_or_bpw
     curves = [c for c in sensitivity_curves(measurement) if c.layer is not None]
     if not curves:
-        raise ValueError("the measurement has no tensors inside numbered layers to place on a heat map")
+        raise InputError("the measurement has no tensors inside numbered layers to place on a heat map")
     cells = [(c.layer, c.kind, c.importance * e**2 if damage else e)
              for c in curves if (e := _pick(c, target)) is not None]
     if not cells:
         seen = sorted({o for c in curves for opts in c.options for o in opts})
-        raise ValueError(f"option {target.desc} was not measured for any tensor; measured options: "
+        raise InputError(f"option {target.desc} was not measured for any tensor; measured options: "
                          f"{', '.join(seen[:12])}{' ...' if len(seen) > 12 else ''}")
     mat, layers, kinds = _grid_matrix(cells)
     positive = mat[np.isfinite(mat) & (mat > 0)]
@@ -294,7 +295,7 @@ def bit_map(
     """
     cells = _plan_cells(plan)
     if not cells:
-        raise ValueError("the plan has no tensors inside numbered layers to draw")
+        raise InputError("the plan has no tensors inside numbered layers to draw")
     mat, layers, kinds = _grid_matrix(cells)
     norm = norm or Normalize(np.nanmin(mat), max(np.nanmax(mat), np.nanmin(mat) + 1e-6))
     fig, (a,) = _panels(ax, 1, 1, (max(3.5, 0.5 * len(kinds) + 1.5), max(3.0, 0.16 * len(layers) + 1.5)))
@@ -322,11 +323,11 @@ def bit_maps(
 
     targets = [float(t) for t in targets]
     if not targets:
-        raise ValueError("bit_maps needs at least one bits-per-weight target")
+        raise InputError("bit_maps needs at least one bits-per-weight target")
     plans = [optimize(measurement, t, **optimize_kw) for t in targets]
     values = [v for p in plans for (_, _, v) in _plan_cells(p)]
     if not values:
-        raise ValueError("the plans have no tensors inside numbered layers to draw")
+        raise InputError("the plans have no tensors inside numbered layers to draw")
     norm = Normalize(min(values), max(max(values), min(values) + 1e-6))
     fig, axes = _panels(ax, len(plans), len(plans), (3.6, 4.2))
     for a, p in zip(axes, plans):
@@ -343,11 +344,11 @@ def read_quality_table(csv_path: str | Path) -> list[dict[str, Any]]:
 
     Accepts ``perplexity`` or ``ppl``; a missing ``family`` is derived from ``method``
     (``mlx-dq...`` or ``mlx-lm``). A table scored on several texts (a ``text`` column) gives the
-    rows of its first text. Raises FileNotFoundError or ValueError naming the file.
+    rows of its first text. Raises InputError naming the file.
     """
     path = Path(csv_path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no quality table (benchmarks/quality.py writes it)")
+        raise InputError(f"{path}: no quality table (benchmarks/quality.py writes it)")
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         cols = set(reader.fieldnames or ())
@@ -355,7 +356,7 @@ def read_quality_table(csv_path: str | Path) -> list[dict[str, Any]]:
         if "family" not in cols and "method" not in cols:
             missing.append("family or method")
         if missing:
-            raise ValueError(f"{path}: the quality table lacks the column(s) {', '.join(missing)}; "
+            raise InputError(f"{path}: the quality table lacks the column(s) {', '.join(missing)}; "
                              f"found {', '.join(sorted(cols)) or 'none'}")
         rows = list(reader)
     if rows and rows[0].get("text"):
@@ -387,7 +388,7 @@ def kl_vs_bpw(csv_path: str | Path, *, ax: Sequence[Axes] | None = None) -> Figu
     source = [r for r in rows if r["family"] == "source" or (r["kl"] == 0.0 and (r["bpw"] or 0) >= 16)]
     rows = [r for r in rows if r not in source and r["bpw"] is not None and r["kl"] is not None and r["kl"] > 0]
     if not rows:
-        raise ValueError(f"{csv_path}: no quantized rows with bpw and a positive KL to plot")
+        raise InputError(f"{csv_path}: no quantized rows with bpw and a positive KL to plot")
     fig, (a_kl, a_ppl) = _panels(ax, 2, 2, (4.6, 3.6))
     families = sorted({r["family"] for r in rows}, key=lambda f: (not f.startswith("mlx-dq"), f))
     markers = "osD^v<>ph*"
@@ -416,6 +417,27 @@ def kl_vs_bpw(csv_path: str | Path, *, ax: Sequence[Axes] | None = None) -> Figu
 
 
 # --------------------------------------------------------------------------- files
+FIGURE_NAMES = ("error_vs_bpw.png", "error_heatmap.png", "damage_heatmap.png", "bit_maps.png", "kl_vs_bpw.png")
+_SOFTWARE = "mlx-dq"  # written into each PNG, so a later run knows the figure is its own to replace
+
+
+def _is_our_figure(path: Path) -> bool:
+    """Whether ``path`` is a PNG that :func:`save_figures` wrote (its Software text chunk names mlx-dq)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + _SOFTWARE.encode() in head
+
+
+def guard_figures(out_dir: str | Path, inputs: Iterable[tuple[str, Any]] = ()) -> None:
+    """Refuse a figure folder where a figure would replace an input or a file mlx-dq did not write, before any work."""
+    from .safety import guard_output_names
+
+    guard_output_names(out_dir, FIGURE_NAMES, inputs=inputs, is_ours=_is_our_figure, kind="figures")
+
+
 def save_figures(
     measurement: Measurement,
     out_dir: str | Path,
@@ -427,6 +449,7 @@ def save_figures(
 ) -> list[Path]:
     """Write the measurement's figures (and the quality figure when the CSV exists) as PNGs; return the paths."""
     out = Path(out_dir)
+    guard_figures(out, [("quality CSV", quality_csv)])
     out.mkdir(parents=True, exist_ok=True)
     figures = {
         "error_vs_bpw.png": lambda: error_vs_bpw(measurement),
@@ -438,6 +461,6 @@ def save_figures(
         figures["kl_vs_bpw.png"] = lambda: kl_vs_bpw(quality_csv)
     written = []
     for name, make in figures.items():
-        make().savefig(out / name, dpi=dpi)
+        make().savefig(out / name, dpi=dpi, metadata={"Software": _SOFTWARE})
         written.append(out / name)
     return written

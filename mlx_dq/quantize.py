@@ -26,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tqdm import tqdm
 
+from .errors import InputError
 from . import distributed as dist
 from .gptq import DEFAULT_DAMP, batch_key, can_consume, consume_gram, gptq_quantize, gptq_quantize_many
 from .options import QuantOption
@@ -339,7 +340,7 @@ def _check_plan_names(runner: LayerRunner, options: dict[str, QuantOption], sour
 
     unknown = sorted(set(options) - set(quantizable_modules(runner.net)))
     if unknown:
-        raise ValueError(
+        raise InputError(
             f"the plan names tensors this {source.config.get('model_type')} model does not have: {unknown[:3]}"
             + (f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else "")
         )

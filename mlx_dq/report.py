@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .errors import IntegrityError
 from .names import split_layer
 from .writer import MANIFEST_NAME, _bad, check_manifest, read_manifest  # noqa: F401  (re-exported)
 
@@ -61,6 +62,7 @@ def check_folder(folder: str | Path, manifest: dict) -> list[str]:
                 problems.append(f"{name} has size {f.stat().st_size:,} bytes, the manifest records {size:,}")
         problems += [f"weight file {s} is not recorded in the manifest" for s in shards if s not in files]
     problems += [f"{s} is missing" for s in shards if not (folder / s).is_file() and not (files is not None and s in files)]
+    problems += _header_problems(folder, sorted(set(shards) | {n for n in files or {} if n.endswith(".safetensors")}))
     on_disk = manifest.get("accounting", {}).get("weights_on_disk_bytes")
     if on_disk is not None and all((folder / s).is_file() for s in shards):
         total = sum((folder / s).stat().st_size for s in shards)
@@ -95,6 +97,66 @@ def check_folder(folder: str | Path, manifest: dict) -> list[str]:
         if name not in modules:
             problems.append(f"config.json quantizes {name}, which the manifest does not record")
     return problems
+
+
+def _header_problems(folder: Path, names: list[str]) -> list[str]:
+    """The damaged headers among the weight files ``names`` of ``folder`` that exist (a cheap read of each header)."""
+    from .loader import check_safetensors
+
+    out = []
+    for name in names:
+        f = folder / name
+        if "/" in name or "\\" in name or name.startswith(".") or not f.is_file():
+            continue  # reported above
+        try:
+            check_safetensors(f)
+        except IntegrityError as e:
+            out.append(str(e))
+    return out
+
+
+def _check_digests(folder: Path, manifest: dict) -> str:
+    """IntegrityError naming the first file whose sha256 differs from the manifest's record; else what was checked."""
+    from .formats.common import file_digest
+
+    records = [f for f in manifest.get("files") or [] if isinstance(f, dict)]
+    checked, unrecorded, total = 0, [], 0
+    for rec in records:
+        want, f = rec.get("sha256"), folder / str(rec.get("name"))
+        if not isinstance(want, str):
+            unrecorded.append(str(rec.get("name")))
+            continue
+        try:
+            got = file_digest(f)
+        except OSError as e:
+            raise IntegrityError(f"cannot read {f}: {e.strerror or e}") from None
+        if got != want:
+            raise IntegrityError(f"{f} was changed after mlx-dq wrote it: its sha256 is {got[:16]}..., the "
+                                 f"manifest records {want[:16]}...; do not use this folder")
+        checked, total = checked + 1, total + f.stat().st_size
+    if not checked:
+        return f"{folder}: the manifest records no checksums (an older mlx-dq): weight files checked by size only"
+    note = f" ({len(unrecorded)} without a recorded checksum: {', '.join(unrecorded)})" if unrecorded else ""
+    return f"{folder}: {checked} weight file(s), {total:,} bytes, match the sha256 the manifest records{note}"
+
+
+def verify_folder(folder: str | Path) -> list[str]:
+    """Every check of ``mlx_dq verify``: the model file is mlx-dq's shim, the folder matches its manifest (files,
+    sizes, headers, config.json) and each weight file's sha256 is the recorded one. Returns what was checked;
+    IntegrityError (or InputError for a folder that is not an mlx-dq output) on the first failure."""
+    from .writer import verify_model_file
+
+    folder = Path(folder)
+    lines = [verify_model_file(folder)]
+    manifest = read_manifest(folder)
+    problems = check_folder(folder, manifest)
+    if problems:
+        raise IntegrityError(f"{folder} does not match its manifest: " + "; ".join(problems[:5])
+                             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    lines.append(f"{folder}: every file the manifest lists is present with its size; headers and config.json "
+                 "agree with it")
+    lines.append(_check_digests(folder, manifest))
+    return lines
 
 
 def _short(name: str) -> str:

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from .errors import InputError
 from .cpu_forward import cpu_forward
 from . import distributed as dist
 from .capture import GramCollector, iter_batches, quantizable_modules
@@ -146,10 +147,10 @@ def load_into(model: nn.Module, weights: dict[str, mx.array]) -> None:
         weights = model.sanitize(dict(weights))
     unknown = sorted(k for k in weights if k not in params)
     if unknown:
-        raise ValueError(f"weights not in the model: {unknown[:5]}")
+        raise InputError(f"weights not in the model: {unknown[:5]}")
     for k, v in weights.items():  # a freed parameter (empty) was checked when first loaded
         if params[k].size and tuple(v.shape) != tuple(params[k].shape):
-            raise ValueError(f"{k}: weight shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}")
+            raise InputError(f"{k}: weight shape {tuple(v.shape)} does not match the model's {tuple(params[k].shape)}")
     model.load_weights(list(weights.items()), strict=False)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .errors import InputError
 from .gptq import DEFAULT_DAMP
 
 METHODS = ("gptq", "rtn")  # GPTQ error compensation, or round-to-nearest with the clip search
@@ -67,7 +68,7 @@ class CalibSettings(_Settings):
 
     def check(self) -> None:
         if self.rows < 1 or self.seq_len < 2:
-            raise ValueError(f"need rows >= 1 and seq_len >= 2; got rows={self.rows}, seq_len={self.seq_len}")
+            raise InputError(f"need rows >= 1 and seq_len >= 2; got rows={self.rows}, seq_len={self.seq_len}")
 
 
 @dataclass(frozen=True)
@@ -97,17 +98,17 @@ class MeasureSettings(_Settings):
 
     def check(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise InputError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.importance not in IMPORTANCE_MODES:
-            raise ValueError(f"importance must be one of {IMPORTANCE_MODES}, got {self.importance!r}")
+            raise InputError(f"importance must be one of {IMPORTANCE_MODES}, got {self.importance!r}")
         if self.rows < 1 or self.seq_len < 2 or self.batch_size < 1 or self.importance_rows < 1:
-            raise ValueError(
+            raise InputError(
                 "need rows >= 1, seq_len >= 2, batch_size >= 1 and importance_rows >= 1; got "
                 f"rows={self.rows}, seq_len={self.seq_len}, batch_size={self.batch_size}, "
                 f"importance_rows={self.importance_rows}"
             )
         if self.sample_rows < 0:
-            raise ValueError(f"sample_rows must be >= 0, got {self.sample_rows}")
+            raise InputError(f"sample_rows must be >= 0, got {self.sample_rows}")
 
     @property
     def resolved_clip(self) -> bool:
@@ -138,9 +139,9 @@ class QuantizeSettings(CalibSettings):
 
     def check(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise InputError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be float16, bfloat16 or auto (the source's), got {self.dtype!r}")
+            raise InputError(f"dtype must be float16, bfloat16 or auto (the source's), got {self.dtype!r}")
         super().check()
 
     def measure_defaults(self) -> dict[str, Any]:
@@ -181,12 +182,12 @@ class DistillSettings(CalibSettings):
 
     def check(self) -> None:
         if self.rows < 1 or self.seq_len < 3:
-            raise ValueError(f"need rows >= 1 and seq_len >= 3; got rows={self.rows}, seq_len={self.seq_len}")
+            raise InputError(f"need rows >= 1 and seq_len >= 3; got rows={self.rows}, seq_len={self.seq_len}")
         if self.steps < 1:
-            raise ValueError(f"need steps >= 1, got {self.steps}")
+            raise InputError(f"need steps >= 1, got {self.steps}")
         if not 1 <= self.batch_size <= self.rows:
-            raise ValueError(f"batch_size must be between 1 and rows ({self.rows}), got {self.batch_size}")
+            raise InputError(f"batch_size must be between 1 and rows ({self.rows}), got {self.batch_size}")
         if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number, got {self.lr}")
+            raise InputError(f"lr must be a positive number, got {self.lr}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be a positive number, got {self.temperature}")
+            raise InputError(f"temperature must be a positive number, got {self.temperature}")

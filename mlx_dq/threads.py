@@ -29,20 +29,40 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import mlx.core as mx
 
+from .errors import InputError
+
 T = TypeVar("T")
 MAX_WORKERS = 4  # beyond this the matmuls' own threads and memory for temporaries gain little
 ENV = "MLX_DQ_THREADS"  # set to 1 to keep all work on the calling thread
 
 
+def env_workers() -> int | None:
+    """``$MLX_DQ_THREADS`` as a thread count (None when unset); InputError unless it is a whole number of at most
+    :func:`max_env_workers`. The command checks it before any work: a count the system cannot start failed only
+    when the first layer's tensors were handed out ("can't start new thread")."""
+    env = os.environ.get(ENV)
+    if not env:
+        return None
+    try:
+        n = int(env)
+    except ValueError:
+        raise InputError(f"{ENV} must be a whole number of threads, got {env!r}") from None
+    if n > max_env_workers():
+        raise InputError(f"{ENV}={n} is more threads than this machine can use: give at most {max_env_workers()} "
+                         f"({os.cpu_count() or 1} CPUs here)")
+    return max(1, n)
+
+
+def max_env_workers() -> int:
+    """The most threads ``$MLX_DQ_THREADS`` may ask for: four per CPU (at least 16); more only cost memory."""
+    return 4 * max(MAX_WORKERS, os.cpu_count() or 1)
+
+
 def workers() -> int:
     """Threads for per-tensor work: ``$MLX_DQ_THREADS`` if set, else up to the CPU count on the CPU, 1 on a GPU."""
-    env = os.environ.get(ENV)
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"{ENV} must be a whole number of threads, got {env!r}") from None
-        return max(1, n)
+    n = env_workers()
+    if n is not None:
+        return n
     if mx.default_device() != mx.cpu:
         return 1
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))

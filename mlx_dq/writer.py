@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .errors import InputError, IntegrityError
 from .formats.facts import packing_facts
 from .names import MANIFEST_NAME, MANIFEST_SCHEMA, MODEL_FILE, default_bits_group
 from .options import QuantOption
@@ -28,6 +29,7 @@ from .quant import QuantizedTensor, exact_sums, output_error_sums, relative_erro
 from .quantize import row_blocks
 from .rowsplit import ID_BITS
 from .safety import finite_number, guard_output_folder, make_partial_folder, publish_folder
+from .sources import recorded_spec
 
 MANIFEST_VERSION = 2  # 2: module "bits" -> "storage_bits", "dense_bytes" -> "kept16_bytes", facts added
 DEFAULT_SHARD_BYTES = 4 << 30
@@ -291,7 +293,7 @@ def build_manifest(
             if mixed or splits else "mlx_lm.load(path) / mlx_lm.generate --model path"
         ),
         "provenance": {
-            "source": {"spec": source.spec, "kind": source.kind, "fingerprint": source.fingerprint(),
+            "source": {"spec": recorded_spec(source), "kind": source.kind, "fingerprint": source.fingerprint(),
                        "model_type": source.config.get("model_type")},
             "plan": {"target_bpw": plan.target_bpw, "achieved_bpw": plan.achieved_bpw,
                      "objective": plan.objective, "lower_bound": plan.lower_bound, "gap": plan.gap,
@@ -317,20 +319,66 @@ def read_manifest(folder: str | Path, missing_ok: bool = False) -> dict | None:
     if not path.exists():
         if missing_ok:
             return None
-        raise ValueError(f"{folder} has no {MANIFEST_NAME}: not an mlx-dq output folder")
+        raise InputError(f"{folder} has no {MANIFEST_NAME}: not an mlx-dq output folder")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise IntegrityError(f"{path} is not valid JSON: {e}") from None
     except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+        raise IntegrityError(f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA or "modules" not in data:
-        raise ValueError(f"{path} is not an mlx-dq manifest")
+        raise IntegrityError(f"{path} is not an mlx-dq manifest")
     return data
 
 
-def _bad(path: Path, what: str) -> ValueError:
-    return ValueError(f"{path}: {what}")
+def _bad(path: Path, what: str) -> IntegrityError:
+    return IntegrityError(f"{path}: {what}")
+
+
+def _source_candidates(folder: Path, spec: str, kind: Any) -> list[str]:
+    """Where a recorded source spec may be: itself, or (a relative local path from an older manifest) relative to
+    the output folder's parent, where ``convert --model SPEC -o FOLDER`` was most often run, and to this folder."""
+    if kind not in ("folder", "gguf") or Path(spec).expanduser().is_absolute():
+        return [spec]
+    out = []
+    for base in (folder.resolve().parent, Path.cwd()):
+        c = str((base / spec).resolve())
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def recorded_source(folder: str | Path, manifest: dict | None = None, flag: str = "--model") -> str | None:
+    """The source model spec ``folder`` was made from, checked against the fingerprint its manifest records.
+
+    None when the manifest records no source. InputError when the recorded source cannot be
+    found or is another model (different fingerprint): a comparison with it would be wrong.
+    """
+    from .sources import resolve
+
+    folder = Path(folder)
+    manifest = read_manifest(folder, missing_ok=True) if manifest is None else manifest
+    rec = ((manifest or {}).get("provenance") or {}).get("source") or {}
+    spec = rec.get("spec") if isinstance(rec, dict) else None
+    if not spec:
+        return None
+    if not isinstance(spec, str):
+        raise _bad(folder / MANIFEST_NAME, f"provenance.source.spec must be a string, got {spec!r}")
+    want, seen, missing = rec.get("fingerprint"), [], []
+    for cand in _source_candidates(folder, spec, rec.get("kind")):
+        try:
+            found = resolve(cand).fingerprint()
+        except (ValueError, OSError) as e:
+            missing.append(f"{cand} ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            continue
+        if not want or found == want:
+            return cand
+        seen.append(f"{cand} has fingerprint {found[:16]}")
+    if seen:
+        raise InputError(f"{folder} was made from {spec} with fingerprint {str(want)[:16]}, but "
+                         f"{'; '.join(seen)}: another model; give the right source with {flag}")
+    raise InputError(f"{folder} was made from {spec}, which cannot be found: {'; '.join(missing)}; "
+                     f"give the source with {flag}")
 
 
 def check_manifest(manifest: dict, path: Path) -> None:
@@ -381,7 +429,7 @@ def check_manifest(manifest: dict, path: Path) -> None:
 def verify_model_file(folder: str | os.PathLike) -> str:
     """Check that the only code a folder asks mlx-lm to import is mlx-dq's own shim; returns what was found.
 
-    ValueError when config.json's ``model_file`` names anything but mlx-dq's model
+    IntegrityError when config.json's ``model_file`` names anything but mlx-dq's model
     file, or when that file differs by one byte from the shim mlx-dq writes
     (``trust_remote_code`` would import it). A folder without ``model_file`` runs
     no folder code.
@@ -391,21 +439,21 @@ def verify_model_file(folder: str | os.PathLike) -> str:
     try:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{folder} is not a model folder (no config.json)") from None
+        raise InputError(f"{folder} is not a model folder (no config.json)") from None
     except (OSError, ValueError) as e:
-        raise ValueError(f"{cfg_path} cannot be read as JSON: {e}") from None
+        raise IntegrityError(f"{cfg_path} cannot be read as JSON: {e}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path} is not a JSON object")
+        raise IntegrityError(f"{cfg_path} is not a JSON object")
     if "model_file" not in config:
         return f"{folder}: config.json names no model_file: mlx-lm runs no code from this folder"
     name = config["model_file"]
     if name != MODEL_FILE:
-        raise ValueError(f"{cfg_path}: model_file is {name!r}, not mlx-dq's {MODEL_FILE!r}: mlx-lm with "
-                         "--trust-remote-code would import that file; do not trust this folder")
+        raise IntegrityError(f"{cfg_path}: model_file is {name!r}, not mlx-dq's {MODEL_FILE!r}: mlx-lm with "
+                             "--trust-remote-code would import that file; do not trust this folder")
     path = folder / MODEL_FILE
     if path.is_symlink() or not path.is_file():
-        raise ValueError(f"{path} is missing or not a plain file")
+        raise IntegrityError(f"{path} is missing or not a plain file")
     if path.read_bytes() != MODEL_FILE_TEXT.encode("utf-8"):
-        raise ValueError(f"{path} differs from the model file mlx-dq writes: it was altered; do not trust this "
-                         "folder with --trust-remote-code (mlx_dq.load and mlx_dq generate never run it)")
+        raise IntegrityError(f"{path} differs from the model file mlx-dq writes: it was altered; do not trust this "
+                             "folder with --trust-remote-code (mlx_dq.load and mlx_dq generate never run it)")
     return f"{folder}: {MODEL_FILE} is byte-identical to mlx-dq's shim and config.json names exactly it"

@@ -12,6 +12,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
 from mlx_dq import plots
+from mlx_dq.errors import InputError
 from mlx_dq.cli import main
 from mlx_dq.measurement import JointGroup, JointOption, Measurement, OptionRecord, TensorRecord, save_measurement
 from mlx_dq.optimize import optimize
@@ -265,7 +266,7 @@ def test_kl_vs_bpw_other_column_names(tmp_path):
 
 
 def test_kl_vs_bpw_bad_input(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no quality table"):
+    with pytest.raises(InputError, match="no quality table"):
         plots.kl_vs_bpw(tmp_path / "missing.csv")
     bad = _write_quality(tmp_path / "bad.csv", [{"method": "x", "bpw": 3}], ["method", "bpw"])
     with pytest.raises(ValueError, match="lacks the column.*kl"):

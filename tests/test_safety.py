@@ -180,9 +180,9 @@ def test_optimize_never_overwrites_its_input_or_a_foreign_file(work, tmp_path):
     assert m.read_bytes() == before
     notes = tmp_path / "notes.txt"
     notes.write_text("important")
-    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", notes), "not a plan", "--force")
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", notes), "not a plan")
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", notes, "--force"), "not a plan")  # never a user's file
     assert notes.read_text() == "important"
-    assert cli("optimize", m, "--bpw", "4", "-o", notes, "--force").exit_code == 0
     plan = tmp_path / "p.json"
     assert cli("optimize", m, "--bpw", "4", "-o", plan).exit_code == 0
     assert cli("optimize", m, "--bpw", "3", "-o", plan).exit_code == 0  # an earlier plan is replaced
@@ -460,9 +460,9 @@ def test_import_plan_never_overwrites_its_input_or_a_foreign_file(work, tmp_path
     assert_clean_error(cli("import-plan", kept, "--model", work["llama"], "-o", kept), "input")
     assert kept.read_bytes() == before
     notes = _foreign(tmp_path)
-    assert_clean_error(cli("import-plan", kept, "--model", work["llama"], "-o", notes), "not a plan", "--force")
+    assert_clean_error(cli("import-plan", kept, "--model", work["llama"], "-o", notes), "not a plan")
+    assert_clean_error(cli("import-plan", kept, "--model", work["llama"], "-o", notes, "--force"), "not a plan")
     assert notes.read_text() == "important"
-    assert cli("import-plan", kept, "--model", work["llama"], "-o", notes, "--force").exit_code == 0
     out = tmp_path / "imported.json"
     assert cli("import-plan", kept, "--model", work["llama"], "-o", out).exit_code == 0
     assert cli("import-plan", kept, "--model", work["llama"], "-o", out).exit_code == 0  # an earlier plan
@@ -481,11 +481,11 @@ def test_export_never_overwrites_its_input_or_a_foreign_file(work, tmp_path):
     assert_clean_error(cli("export", plan, "--to", "dynquant", "-o", plan), "input")
     assert plan.read_bytes() == before
     notes = _foreign(tmp_path)
-    assert_clean_error(cli("export", plan, "--to", "dynquant", "-o", notes), "--force")
+    assert_clean_error(cli("export", plan, "--to", "dynquant", "-o", notes), "not an earlier export")
+    assert_clean_error(cli("export", plan, "--to", "dynquant", "-o", notes, "--force"), "not an earlier export")
     assert notes.read_text() == "important"
     other = _plan_file(work["llama"], tmp_path / "other-plan.json")  # a plan is not what export writes
-    assert_clean_error(cli("export", plan, "--to", "mlx-kept16", "-o", other), "--force")
-    assert cli("export", plan, "--to", "dynquant", "-o", notes, "--force").exit_code == 0
+    assert_clean_error(cli("export", plan, "--to", "mlx-kept16", "-o", other), "not an earlier export")
     out = tmp_path / "dq.json"
     assert cli("export", plan, "--to", "dynquant", "-o", out).exit_code == 0
     assert cli("export", plan, "--to", "mlx-kept16", "-o", out).exit_code == 0  # an earlier export is replaced
@@ -504,15 +504,16 @@ def test_optimize_side_outputs_never_overwrite_an_input_or_a_foreign_file(work, 
     assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--exl2-report", m), "input")
     assert m.read_bytes() == before
     notes = _foreign(tmp_path)
-    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--mlx-config", notes), "--force")
-    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--exl2-report", notes), "--force")
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--mlx-config", notes), "not an MLX config")
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--exl2-report", notes), "not an EXL2 report")
     assert notes.read_text() == "important"
     assert not p.exists()
     assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--exl2-report", p), "same file")
     cfg = tmp_path / "cfg.json"
     assert cli("optimize", m, "--bpw", "4", "-o", p, "--mlx-config", cfg).exit_code == 0
     assert cli("optimize", m, "--bpw", "3", "-o", p, "--mlx-config", cfg).exit_code == 0  # earlier config replaced
-    assert cli("optimize", m, "--bpw", "4", "-o", p, "--mlx-config", notes, "--force").exit_code == 0
+    assert_clean_error(cli("optimize", m, "--bpw", "4", "-o", p, "--mlx-config", notes, "--force"), "not an MLX")
+    assert notes.read_text() == "important"
 
 
 def test_measure_never_overwrites_its_inputs_or_a_foreign_file(work, tmp_path):
@@ -526,9 +527,9 @@ def test_measure_never_overwrites_its_inputs_or_a_foreign_file(work, tmp_path):
     assert_clean_error(cli(*base, "-o", work["grid"], "--no-resume"), "input")
     assert work["grid"].read_bytes() == grid_before
     notes = _foreign(tmp_path)
-    assert_clean_error(cli(*base, "-o", notes, "--no-resume"), "not a measurement", "--force")
+    assert_clean_error(cli(*base, "-o", notes, "--no-resume"), "not a measurement")
+    assert_clean_error(cli(*base, "-o", notes, "--no-resume", "--force"), "not a measurement")
     assert notes.read_text() == "important"
-    assert cli(*base, "-o", notes, "--no-resume", "--force").exit_code == 0
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 7), (2, 3, 4), (1 << 13, 2049)])

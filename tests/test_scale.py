@@ -408,8 +408,10 @@ def test_convert_and_measure_say_their_cost_before_working(big_vocab, grid_file,
     from mlx_dq import estimate as estimate_mod
     from mlx_dq.cli import main
 
+    from mlx_dq.errors import InputError
+
     def stop(*a, **k):  # the run itself is not this test's business
-        raise ValueError("the run starts here")
+        raise InputError("the run starts here")
 
     monkeypatch.setattr(measure_mod, "measure", stop)
     monkeypatch.setattr(convert_mod, "convert", stop)

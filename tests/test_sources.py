@@ -161,7 +161,7 @@ def test_hub_id_offline_fails_fast_naming_the_id(tmp_path):
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError") and "someorg/tiny-missing-model" in last and "HF_HUB_OFFLINE" in last
+    assert last.startswith("mlx_dq.errors.InputError") and "someorg/tiny-missing-model" in last and "HF_HUB_OFFLINE" in last
     assert elapsed < 60
 
 

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import InputError
 from ..names import MANIFEST_SCHEMA
 from .common import read_json
 
@@ -36,8 +37,8 @@ def detect(data: Any) -> str:
     if data.get("schema") == MANIFEST_SCHEMA:
         return "mlx_dq.manifest"
     meas = detect_format(data)
-    if meas != "unknown":
-        return meas
+    if meas != "unknown":  # the measurement reader calls its own form "mlx_dq"
+        return "mlx_dq.measurement" if meas == "mlx_dq" else meas
     for mod in (dynquant, dashq, mlx_kept16):
         if mod.is_form(data):
             return mod.FORM
@@ -63,7 +64,7 @@ def load_plan_any(path: str | Path, source: Any) -> Any:
     elif kind == "mlx_kept16":
         from .mlx_kept16 import to_plan
     else:
-        raise ValueError(f"{path}: not a plan: expected an mlx_dq plan, a dynquant manifest or an MLX config with "
+        raise InputError(f"{path}: not a plan: expected an mlx_dq plan, a dynquant manifest or an MLX config with "
                          f"kept_16bit (found a {kind} document)")
     return to_plan(data, model_modules(source), model_type, path=str(path))
 
@@ -97,7 +98,7 @@ def describe(path: str | Path) -> str:
         from ..report import bit_map
 
         return bit_map(data)
-    raise ValueError(f"{path}: not a file mlx_dq knows (plan, manifest, measurement, dynquant manifest, "
+    raise InputError(f"{path}: not a file mlx_dq knows (plan, manifest, measurement, dynquant manifest, "
                      f"MLX config with kept_16bit or dashq record)")
 
 

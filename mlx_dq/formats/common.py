@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ..errors import InputError
 from ..options import VALID_BITS, VALID_GROUPS, QuantOption
 
 # per architecture: (regex on the foreign name, replacement) tried before the generic candidates
@@ -118,11 +119,11 @@ def read_json(path: str | Path) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
+        raise InputError(f"{path}: no such file") from None
     except IsADirectoryError:
-        raise ValueError(f"{path}: is a folder, expected a JSON file") from None
+        raise InputError(f"{path}: is a folder, expected a JSON file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
+        raise InputError(f"{path}: not JSON ({e})") from None
 
 
 def model_modules(source: Any) -> dict[str, list[int]]:
@@ -217,6 +218,6 @@ def modules_for(spec: str) -> tuple[dict[str, list[int]], str | None]:
     else:
         config = resolve(spec).config
     if not isinstance(config, dict) or "model_type" not in config:
-        raise ValueError(f"{spec}: no model configuration (config.json with a model_type)")
+        raise InputError(f"{spec}: no model configuration (config.json with a model_type)")
     mods = quantizable_modules(build_model(config))
     return {k: [int(d) for d in m.weight.shape] for k, m in mods.items()}, config.get("model_type")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from ..errors import InputError
+
 FORM = "dashq"
 RECORD_SCHEMA = "mlx_dq.record"
 
@@ -56,7 +58,7 @@ def _unrename(d: Mapping, table: Mapping[str, str], extra: Mapping) -> dict:
 def from_dashq(data: Mapping) -> dict:
     """A dashq record in our record form (every field kept; unknown ones under ``extra``)."""
     if not is_form(data):
-        raise ValueError("not a dashq record (needs format, method, params and quantized_modules)")
+        raise InputError("not a dashq record (needs format, method, params and quantized_modules)")
     top, top_extra = _rename({k: v for k, v in data.items() if k not in ("params", "quantized_modules", "results")},
                              TOP)
     technique, t_extra = _rename(data.get("params") or {}, PARAMS)

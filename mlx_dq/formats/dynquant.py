@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
+from ..errors import InputError
 from ..names import MANIFEST_SCHEMA
 from ..options import QuantOption
 from .common import plan_from_widths
@@ -80,14 +81,14 @@ def widths(data: Mapping) -> dict[str, tuple[int | None, int | None]]:
     layers = data.get("layers") or {}
     mods = qc.get("modules") or {}
     if not layers and not mods:
-        raise ValueError("dynquant manifest lists no modules (no 'layers' and no quantization_config.modules)")
+        raise InputError("dynquant manifest lists no modules (no 'layers' and no quantization_config.modules)")
     out: dict[str, tuple[int | None, int | None]] = {}
     for name in list(layers) + [m for m in mods if m not in layers]:
         rec = layers.get(name) or mods.get(name) or {}
         bits = rec.get("bits", mods.get(name, {}).get("bits"))
         gs = rec.get("group_size", qc.get("group_size"))
         if not isinstance(bits, int) or not isinstance(gs, int):
-            raise ValueError(f"dynquant manifest: module {name!r} has no integer bits/group_size")
+            raise InputError(f"dynquant manifest: module {name!r} has no integer bits/group_size")
         out[name] = (bits, gs)
     for name in qc.get("modules_to_not_convert") or []:
         out[name] = (None, None)
@@ -97,7 +98,7 @@ def widths(data: Mapping) -> dict[str, tuple[int | None, int | None]]:
 def to_plan(data: Mapping, modules: Mapping[str, Sequence[int]], model_type: str | None, path: str | None = None):
     """A plan for a model (module path -> shape) with the manifest's per-module widths where MLX stores them."""
     if not is_form(data):
-        raise ValueError(f"{path or 'document'}: not a dynquant manifest")
+        raise InputError(f"{path or 'document'}: not a dynquant manifest")
     return plan_from_widths(widths(data), modules, model_type, fmt=FORM, path=path)
 
 
@@ -153,7 +154,7 @@ def from_ours(doc: Mapping) -> dict:
         dtype = "float16"
         recs = {e["key"]: (QuantOption.parse(e["option"]), e["shape"], None, None) for e in doc["tensors"]}
     else:
-        raise ValueError("expected an mlx_dq manifest (mlx_dq.json) or plan")
+        raise InputError("expected an mlx_dq manifest (mlx_dq.json) or plan")
     layers, mods, not_conv = {}, {}, []
     for k, (opt, shape, nbytes, clip) in sorted(recs.items()):
         if opt.keep16:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
+from ..errors import InputError
 from ..options import QuantOption
 
 HEAD_NAMES = ("embed_tokens", "lm_head", "wte", "tok_embeddings", "output")
@@ -38,7 +39,7 @@ def complete_head(plan: Any, modules: Mapping[str, Sequence[int]], head_option: 
             continue
         opt = QuantOption.parse(head_option) if head_option else QuantOption.fp16()
         if not opt.fits(int(shape[-1])):
-            raise ValueError(f"head option {opt.desc} does not fit {key!r} with {shape[-1]} inputs")
+            raise InputError(f"head option {opt.desc} does not fit {key!r} with {shape[-1]} inputs")
         plan.tensors.append(PlanEntry(key, opt.desc, opt.storage_bits(shape), list(shape), math.prod(shape),
                                       None, "kept" if opt.keep16 else "head"))
         added.append(key)

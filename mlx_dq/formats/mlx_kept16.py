@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
+from ..errors import InputError
 from ..names import MANIFEST_SCHEMA
 from .common import plan_from_widths, strip_weight
 
@@ -27,11 +28,11 @@ def is_form(data: Any) -> bool:
 def widths(data: Mapping) -> dict[str, tuple[int | None, int | None]]:
     """Parameter name -> (bits, group size) for the named tensors; kept ones -> (None, None)."""
     if data.get("mode", "affine") != "affine":
-        raise ValueError(f"MLX config mode {data.get('mode')!r}: only affine is supported")
+        raise InputError(f"MLX config mode {data.get('mode')!r}: only affine is supported")
     out: dict[str, tuple[int | None, int | None]] = {}
     for name, rec in (data.get("tensors") or {}).items():
         if not isinstance(rec, Mapping):
-            raise ValueError(f"MLX config: tensor {name!r} entry is not an object")
+            raise InputError(f"MLX config: tensor {name!r} entry is not an object")
         out[name] = (int(rec.get("bits", data["bits"])), int(rec.get("group_size", data["group_size"])))
     for name in data["kept_16bit"]:
         out[name] = (None, None)
@@ -41,7 +42,7 @@ def widths(data: Mapping) -> dict[str, tuple[int | None, int | None]]:
 def to_plan(data: Mapping, modules: Mapping[str, Sequence[int]], model_type: str | None, path: str | None = None):
     """A plan for a model: kept names 16-bit, named tensors their bits, every other module the default."""
     if not is_form(data):
-        raise ValueError(f"{path or 'document'}: not an MLX config with kept_16bit")
+        raise InputError(f"{path or 'document'}: not an MLX config with kept_16bit")
     return plan_from_widths(widths(data), modules, model_type, fmt=FORM, path=path,
                             default=(int(data["bits"]), int(data["group_size"])))
 
@@ -69,5 +70,5 @@ def from_ours(doc: Mapping) -> dict:
                    for k, r in doc["modules"].items()]
         plan = Plan(0.0, 0.0, 0.0, None, None, 0, 0, 0, 0.0, tensors=entries)
     else:
-        raise ValueError("expected an mlx_dq manifest (mlx_dq.json) or plan")
+        raise InputError("expected an mlx_dq manifest (mlx_dq.json) or plan")
     return plan_to_mlx_config(plan)
