@@ -26,12 +26,12 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlx_dq import calib
-from mlx_dq.capture import GramCollector
-from mlx_dq.gptq import gptq_quantize
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import QuantizedTensor, output_error, quantize_weight
-from mlx_dq.sources import load_model
+from mlx_dq.data import calib
+from mlx_dq.model.capture import GramCollector
+from mlx_dq.model.sources import load_model
+from mlx_dq.quant.affine import QuantizedTensor, output_error, quantize_weight
+from mlx_dq.quant.gptq import gptq_quantize
+from mlx_dq.quant.options import QuantOption
 
 OPTIONS = ("1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "0.25:4b_32g/0.75:3b_64g")
 PROJS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")

@@ -35,7 +35,7 @@ def truncated_model(layers: int, folder: Path) -> str:
     """The bundled model with only its first ``layers`` decoder layers, as a Hugging Face folder."""
     import mlx.core as mx
 
-    from mlx_dq.sources import resolve
+    from mlx_dq.model.sources import resolve
 
     src = resolve("smollm2-135m")
     if layers >= src.num_layers:
@@ -53,8 +53,8 @@ def truncated_model(layers: int, folder: Path) -> str:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: measure, then print this rank's timing and traffic as one JSON line."""
-    from mlx_dq import distributed as dist
-    from mlx_dq.measure import measure
+    from mlx_dq.measure.stream import measure
+    from mlx_dq.runtime import distributed as dist
 
     t0 = time.perf_counter()
     m = measure(args.model, rows=args.rows, seq_len=args.seq_len, grid=args.grid, out_path=args.out, resume=False,
@@ -123,7 +123,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from mlx_dq.measure import strip_timing
+    from mlx_dq.measure.stream import strip_timing
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -20,9 +20,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_dq.grids import load_grid, role_of
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import output_error, quantize_weight
+from mlx_dq.measure.grids import load_grid, role_of
+from mlx_dq.quant.affine import output_error, quantize_weight
+from mlx_dq.quant.options import QuantOption
 
 PROJS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
 EMBED = "model.embed_tokens"  # tied: its Gram is that of the head's input
@@ -36,9 +36,9 @@ def collect(layers: list[int], rows: int, seq_len: int, cache: Path) -> dict[str
         data = np.load(cache)
         if all(f"{n}/w" in data for n in names):
             return {n: (data[f"{n}/w"], data[f"{n}/gram"]) for n in names}
-    from mlx_dq.calib import default_calibration_texts, sample_rows
-    from mlx_dq.capture import GramCollector, quantizable_modules
-    from mlx_dq.sources import DEFAULT_MODEL, load_model
+    from mlx_dq.data.calib import default_calibration_texts, sample_rows
+    from mlx_dq.model.capture import GramCollector, quantizable_modules
+    from mlx_dq.model.sources import DEFAULT_MODEL, load_model
 
     model, tok, _ = load_model(DEFAULT_MODEL)
     mods = quantizable_modules(model)

@@ -40,11 +40,12 @@ def parts(n_layers: int) -> dict[str, Callable[[str, int | None], bool]]:
 def main() -> None:
     import mlx.nn as nn
 
-    from mlx_dq import calib, evaluate
+    from mlx_dq.data import calib
+    from mlx_dq.evaluation import metrics as evaluate
+    from mlx_dq.layers.rowsplit import RowSplitEmbedding
     from mlx_dq.loader import _set_module
-    from mlx_dq.rowsplit import RowSplitEmbedding
+    from mlx_dq.model.sources import load_model
     from mlx_dq.names import layer_index
-    from mlx_dq.sources import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", help="an mlx-dq output folder (or any quantized MLX folder with --base)")

@@ -34,12 +34,12 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def main() -> None:
     """Compute per-tensor KL for the sample and print the correlations."""
-    from mlx_dq import calib
-    from mlx_dq.capture import quantizable_modules
-    from mlx_dq.measure import tensor_kl
-    from mlx_dq.measurement import load_measurement
-    from mlx_dq.options import QuantOption
-    from mlx_dq.sources import resolve
+    from mlx_dq.data import calib
+    from mlx_dq.measure.records import load_measurement
+    from mlx_dq.measure.stream import tensor_kl
+    from mlx_dq.model.capture import quantizable_modules
+    from mlx_dq.model.sources import resolve
+    from mlx_dq.quant.options import QuantOption
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measurement", required=True, help="measurement JSON written by mlx_dq measure")

@@ -1,4 +1,4 @@
-"""Peak memory of ``mlx_dq.measure`` as the number of layers doubles.
+"""Peak memory of ``mlx_dq.measure.stream`` as the number of layers doubles.
 
 Builds two synthetic llama models of the same width (hidden 1024 by default,
 so the weights dominate), one with N layers and one with 2N, measures each in
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = """
 import json, resource, sys, time
-from mlx_dq.measure import measure
+from mlx_dq.measure.stream import measure
 folder, grid, rows, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 t = time.perf_counter()
 m = measure(folder, grid=grid, rows=rows, seq_len=seq_len, progress=False)

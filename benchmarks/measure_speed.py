@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import truncated_model  # noqa: E402  (the sibling benchmark's model cutter)
 
-from mlx_dq.measure import measure  # noqa: E402
+from mlx_dq.measure.stream import measure  # noqa: E402
 
 
 def main() -> None:

@@ -23,10 +23,10 @@ import click
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dq import kernels
-from mlx_dq.mixed import MixedLinear
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import quantize_weight
+from mlx_dq.layers import kernels
+from mlx_dq.layers.mixed import MixedLinear
+from mlx_dq.quant.affine import quantize_weight
+from mlx_dq.quant.options import QuantOption
 
 SHAPES = [(576, 1536), (1536, 576), (4096, 4096)]
 BATCHES = [1, 512]

@@ -9,7 +9,7 @@ whose all-low / all-high plans bracket the target, 4/5 when both do).
     python benchmarks/optimize_seeds.py [FILE ...] [--targets 2.5 3.0 ...] [--json out.json]
 
 FILE may be any measurement, e.g. one of the bundled model written by
-``mlx_dq.measure.measure("smollm2-135m", out_path=FILE)``.
+``mlx_dq.measure.stream.measure("smollm2-135m", out_path=FILE)``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ import json
 import time
 from pathlib import Path
 
-from mlx_dq.measurement import load_measurement
-from mlx_dq.optimize import Plan, dynamic_quant_threshold, greedy_single_pass, optimize
+from mlx_dq.measure.records import load_measurement
+from mlx_dq.plan.optimize import (
+    Plan,
+    dynamic_quant_threshold,
+    greedy_single_pass,
+    optimize,
+)
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 TARGETS = (2.5, 3.0, 3.5, 4.0, 5.0)

@@ -5,10 +5,10 @@
             [--bpw 3.5,4] [--rows 8 --seq-len 256] [--only mlx-lm] [--select REGEX]
 
 Every variant is built once and evaluated on the same rows of each evaluation text (named texts of
-different kinds, see ``mlx_dq.calib.EVAL_TEXTS``, or files; never the calibration text) against the
+different kinds, see ``mlx_dq.data.calib.EVAL_TEXTS``, or files; never the calibration text) against the
 float32 source model: mean KL divergence of the next-token
 distributions, top-1 agreement, perplexity, bits per weight and stored size. Bits per weight
-follow one rule for every method (:func:`mlx_dq.evaluate.weight_storage`): packed codes plus 16
+follow one rule for every method (:func:`mlx_dq.evaluation.metrics.weight_storage`): packed codes plus 16
 bits per scale and per bias, 16 bits per unquantized element, over the weights of every Linear
 and Embedding (norms and layer biases excluded; a tied head counts once). On the CPU every model
 is evaluated through dequantized float32 weights.
@@ -38,13 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import baselines
 import click
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_dq import baselines, calib, evaluate
+from mlx_dq.data import calib
+from mlx_dq.evaluation import metrics as evaluate
+from mlx_dq.model.sources import DEFAULT_MODEL, load_model
 from mlx_dq.settings import DistillSettings
-from mlx_dq.sources import DEFAULT_MODEL, load_model
 
 RESULTS = Path(__file__).parent / "results"
 MLX_DQ_TARGETS = (3.5, 3.0, 4.0, 4.5, 2.5, 5.0)  # the goal target first: a run cut short still answers it
@@ -483,14 +485,14 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
     ``distill_settings`` (what ``mlx_dq convert --distill`` does).
     ``head_option`` None puts embedding and head in the bpw budget (so the target is the total bpw).
     ``calib_rows``/``calib_seq`` None: the measurer's and converter's own defaults. Quantizes in memory
-    with ``mlx_dq.convert.quantize_model`` (the converter's own arithmetic). ``saved``: a finished
+    with ``mlx_dq.conversion.pipeline.quantize_model`` (the converter's own arithmetic). ``saved``: a finished
     measurement file the compensated rows are planned from instead of measuring (e.g. the one earlier
     rows were built from, so that new rows share it after the measurer's defaults changed).
     """
-    from mlx_dq import convert as conv
-    from mlx_dq import measure as meas
-    from mlx_dq.optimize import optimize
-    from mlx_dq.plans import available_hot_rows, with_row_splits
+    from mlx_dq.conversion import pipeline as conv
+    from mlx_dq.conversion.resolve import available_hot_rows, with_row_splits
+    from mlx_dq.measure import stream as meas
+    from mlx_dq.plan.optimize import optimize
 
     state: dict = {}
 
@@ -532,18 +534,18 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         return conv.quantize_model(spec, plan, **kw)[0], extra
 
     def hot_rows(kw: dict) -> dict:
-        from mlx_dq import calib as calib_mod
+        from mlx_dq.data import calib as calib_mod
+        from mlx_dq.model.sources import resolve
         from mlx_dq.settings import QuantizeSettings
-        from mlx_dq.sources import resolve
 
         q, source = QuantizeSettings().with_options(**{k: v for k, v in kw.items() if k != "method"}), resolve(spec)
         texts, tokens = calib_mod.calibration_rows(source.tokenizer(), q.calib, q.rows, q.seq_len, q.seed)
         return available_hot_rows(source.config, calib_mod.text_token_ids(source.tokenizer(), texts, tokens))
 
     def build_distilled(target: float) -> tuple[nn.Module, dict]:
-        from mlx_dq import calib as calib_mod
-        from mlx_dq.distill import distill_model
-        from mlx_dq.sources import resolve
+        from mlx_dq.conversion.distill import distill_model
+        from mlx_dq.data import calib as calib_mod
+        from mlx_dq.model.sources import resolve
 
         q, extra = build(target, False, "gptq")
         d = distill_settings or DistillSettings()
@@ -574,8 +576,8 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
 
 def load_saved_measurement(path: Path, spec: str):
     """A finished measurement of ``spec`` from ``path`` (``--dq-measurement``); ValueError when it is not one."""
-    from mlx_dq.measurement import load_measurement
-    from mlx_dq.sources import resolve
+    from mlx_dq.measure.records import load_measurement
+    from mlx_dq.model.sources import resolve
 
     try:
         m = load_measurement(path)

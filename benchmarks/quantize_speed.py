@@ -12,8 +12,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import quantize_weight
+from mlx_dq.quant.affine import quantize_weight
+from mlx_dq.quant.options import QuantOption
 
 
 def _weights(out_f: int, in_f: int, seed: int = 0) -> tuple[mx.array, mx.array]:

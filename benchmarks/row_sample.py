@@ -24,13 +24,13 @@ import numpy as np
 
 
 def main() -> None:
-    from mlx_dq import calib as calib_mod
-    from mlx_dq.capture import GramCollector, quantizable_modules
-    from mlx_dq.grids import load_grid, role_of
-    from mlx_dq.measure import measure_tensor, probe_layers
-    from mlx_dq.measurement import Measurement
-    from mlx_dq.optimize import optimize
-    from mlx_dq.sources import default_gguf_path, resolve
+    from mlx_dq.data import calib as calib_mod
+    from mlx_dq.measure.grids import load_grid, role_of
+    from mlx_dq.measure.records import Measurement
+    from mlx_dq.measure.stream import measure_tensor, probe_layers
+    from mlx_dq.model.capture import GramCollector, quantizable_modules
+    from mlx_dq.model.sources import default_gguf_path, resolve
+    from mlx_dq.plan.optimize import optimize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="0,15,29")

@@ -106,8 +106,8 @@ threading.Thread(target=sample, daemon=True).start()
 t0 = time.perf_counter()
 out = {}
 if args["stage"] == "measure":
-    import mlx_dq.measure as mm
-    from mlx_dq.measure import measure
+    import mlx_dq.measure.stream as mm
+    from mlx_dq.measure.stream import measure
     orig_save = mm.save_measurement
     marks = []
     def save(m, p):
@@ -152,7 +152,7 @@ if args["stage"] == "measure":
     out["marks"] = marks
     out["options"] = {k: len(t.options) for k, t in m.tensors.items()}
 else:
-    from mlx_dq.convert import convert
+    from mlx_dq.conversion.pipeline import convert
     convert(folder, args["out"], bpw=args["bpw"], measurement=args["measurement"], rows=args["rows"],
             seq_len=args["seq_len"], method=args["method"], progress=False, force=True)
 out["seconds"] = time.perf_counter() - t0
@@ -176,7 +176,7 @@ def layer_tensors(s: dict) -> list[tuple[int, int]]:
 
 
 def layer_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, sample_rows: int) -> float:
-    """Multiply-adds of measuring one decoder layer, as the measurer does them (mlx_dq.estimate's counts).
+    """Multiply-adds of measuring one decoder layer, as the measurer does them (mlx_dq.conversion.estimate's counts).
 
     Forward with the Gram of the 3 distinct inputs, the importance reruns, then per tensor the
     reference option on every output row and each other option on ``sample_rows`` rows (0: all):
@@ -196,11 +196,11 @@ def layer_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str,
 def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, sample_rows: int) -> float:
     """Multiply-adds of the head stage: logits of the importance rows (the base perplexity), two anchor options quantized on every
     vocabulary row with their KL taken block by block (original and quantized rows, plus one LSE pass) and
-    the meter's reference sum, the other options on a row sample (mlx_dq.measure.head_anchors) with their
+    the meter's reference sum, the other options on a row sample (mlx_dq.measure.stream.head_anchors) with their
     damage predicted from the error against the Gram, and every row's energy for the sample; all of them
     exactly without sampling (counts as in :func:`layer_macs`); one pass through the head for each copy carried to
     the logits (the sampled layers', the lookup table's)."""
-    from mlx_dq.measure import HEAD_SAMPLE_FACTOR, KL_SAMPLE_LAYERS
+    from mlx_dq.measure.stream import HEAD_SAMPLE_FACTOR, KL_SAMPLE_LAYERS
 
     v, h = s["vocab"], s["hidden"]
     per = 0.5 if method == "gptq" else 1
@@ -216,8 +216,8 @@ def hot_loop_problem(h: int) -> tuple:
     a factor cache with the Hessian already factored (also used by ``scale_search.py``)."""
     import mlx.core as mx
 
-    from mlx_dq.options import QuantOption
-    from mlx_dq.quantize import quantize_tensor
+    from mlx_dq.quant.dispatch import quantize_tensor
+    from mlx_dq.quant.options import QuantOption
 
     mx.random.seed(1)
     w = mx.random.normal((h, h)) / h ** 0.5
@@ -236,7 +236,7 @@ def hot_loop(s: dict, flops: float, repeat: int = 1) -> dict:
     ``out x in^2 / 2`` multiply-adds (the triangular updates) against a plain matmul."""
     import mlx.core as mx
 
-    from mlx_dq.quantize import quantize_tensor
+    from mlx_dq.quant.dispatch import quantize_tensor
 
     h = s["hidden"]
     w, gram, opt, cache = hot_loop_problem(h)
@@ -284,7 +284,7 @@ def main() -> None:
     ap.add_argument("--hot-loop-only", action="store_true", help="time GPTQ alone on one tensor per shape only")
     ap.add_argument("--repeat", type=int, default=1, help="hot loop runs (the median is reported)")
     args = ap.parse_args()
-    from mlx_dq.estimate import matmul_flops
+    from mlx_dq.conversion.estimate import matmul_flops
 
     flops = matmul_flops(2048)
     print(f"plain float32 mx.matmul on {__import__('mlx.core').core.default_device()}: {flops / 1e9:.1f} GFLOP/s")

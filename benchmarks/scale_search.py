@@ -1,6 +1,6 @@
 """What GPTQ's group scale search buys, and what a cheaper one would cost (SmolLM2-135M layers, one CPU thread).
 
-GPTQ chooses each group's fp16 scale and bias by :func:`mlx_dq.gptq.refine_group_params`: MLX's range rule,
+GPTQ chooses each group's fp16 scale and bias by :func:`mlx_dq.quant.gptq.refine_group_params`: MLX's range rule,
 then seven shifted or rescaled ranges, then two weighted least-squares refits. On a 2-core CPU that search costs
 about as much as GPTQ's own matrix updates at 4,096 input channels, so this script prices each part of it:
 
@@ -23,12 +23,12 @@ import time
 
 import mlx.core as mx
 import numpy as np
-
 from compensation import OPTIONS, add_layer_args, capture_both
 from scale import hot_loop_problem
-from mlx_dq import gptq as gptq_mod
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import affine_params, output_error
+
+from mlx_dq.quant import gptq as gptq_mod
+from mlx_dq.quant.affine import affine_params, output_error
+from mlx_dq.quant.options import QuantOption
 
 # refine_group_params' keyword arguments per variant; "default" is the library's own search
 VARIANTS: dict[str, dict] = {
@@ -62,8 +62,8 @@ def search_seconds(rounds: int = 7) -> dict[str, float]:
 
 def hot_loop(sizes: list[int]) -> None:
     """Print GPTQ alone on ``h x h`` with each variant's search: median of three runs, variants in turn."""
-    from mlx_dq.estimate import matmul_flops
-    from mlx_dq.quantize import quantize_tensor
+    from mlx_dq.conversion.estimate import matmul_flops
+    from mlx_dq.quant.dispatch import quantize_tensor
 
     flops = matmul_flops(2048)
     print(f"\nGPTQ alone (4-bit g64, factor cached, no clip candidates); plain matmul {flops / 1e9:.1f} GFLOP/s")

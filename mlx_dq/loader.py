@@ -2,7 +2,7 @@
 
 A folder with only whole-tensor options is a stock mlx-lm model: ``mlx_lm.load``
 reads it as is. A folder with mixed-proportion tensors lists them under
-``mlx_dq.mixed`` in config.json (embeddings with frequent-token rows under
+``mlx_dq.layers.mixed`` in config.json (embeddings with frequent-token rows under
 ``mlx_dq.row_split``); :func:`mixed_model_classes` wraps mlx-lm's own model class
 so that those modules are mlx-dq layers before mlx-lm loads the weights. The
 folder's model file uses it (``trust_remote_code``), and :func:`load` uses it
@@ -18,9 +18,9 @@ from typing import Any
 
 import mlx.nn as nn
 
-from .errors import InputError, IntegrityError
-from .mixed import empty_mixed_layer
-from .rowsplit import empty_split_layer
+from mlx_dq.errors import InputError, IntegrityError
+from mlx_dq.layers.mixed import empty_mixed_layer
+from mlx_dq.layers.rowsplit import empty_split_layer
 
 # bytes per element of the safetensors dtypes MLX reads
 SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,

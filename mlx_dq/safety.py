@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from .errors import InputError, OutputError
-from .names import CARRIED_FILES, MANIFEST_NAME, MANIFEST_SCHEMA, MODEL_FILE
+from mlx_dq.errors import InputError, OutputError
+from mlx_dq.names import CARRIED_FILES, MANIFEST_NAME, MANIFEST_SCHEMA, MODEL_FILE
 
 PARTIAL_MARKER = ".mlx_dq_partial"
 _LEFTOVER = re.compile(r"^\.(.+)\.(partial|old)-(\d+)$")

@@ -1,7 +1,7 @@
 """Stage settings as data: each stage's options, their defaults and their allowed values, in one place.
 
-The library functions (:func:`mlx_dq.measure.measure`, :func:`mlx_dq.convert.convert`,
-:func:`mlx_dq.convert.quantize_model`) and the command line both take their
+The library functions (:func:`mlx_dq.measure.stream.measure`, :func:`mlx_dq.conversion.pipeline.convert`,
+:func:`mlx_dq.conversion.pipeline.quantize_model`) and the command line both take their
 defaults from these classes (the click options are built from them and a test
 checks they agree), so one set of arguments gives the same model from the
 shell and from Python.
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
-from .gptq import DEFAULT_DAMP
+from mlx_dq.errors import InputError
+from mlx_dq.quant.dispatch import METHODS
+from mlx_dq.quant.gptq import DEFAULT_DAMP
 
-METHODS = ("gptq", "rtn")  # GPTQ error compensation, or round-to-nearest with the clip search
 IMPORTANCE_MODES = ("residual", "kl", "none")
 EXPERT_MODES = ("per_expert", "shared")
 DTYPES = ("float16", "bfloat16", "auto")
@@ -165,7 +165,7 @@ class PlanSettings(_Settings):
     keep: tuple[str, ...] = field(default=())
     keep_outside_budget: bool = False
     mlx_lm_compatible: bool = False
-    frequent_rows: bool = True  # embeddings store the calibration's tokens' rows finer (mlx_dq.rowsplit)
+    frequent_rows: bool = True  # embeddings store the calibration's tokens' rows finer (mlx_dq.quant.rowsplit)
 
 
 @dataclass(frozen=True)

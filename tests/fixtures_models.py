@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_dq.sources import build_model
+from mlx_dq.model.sources import build_model
 
 TRAIN_TEXT = [
     "The quick brown fox jumps over the lazy dog near the quiet river bank.",

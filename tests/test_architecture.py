@@ -1,10 +1,12 @@
-"""The package's shape: modules import only modules before them in the pipeline order, and functions stay short.
+"""The package's shape: stages are subpackages, each imports only the stages before it, and functions stay short.
 
-The order below is the one the README's layout section lists (foundations,
-model sources, quantizers, the layer runner, measuring, optimizing, formats,
-the output folder, converting, evaluating, the command line). Every import
-counts, in-function ones included, so an import cycle cannot hide inside a
-function.
+STAGES is the order the README's layout section lists: foundations (errors,
+names, file safety), how mlx-dq runs (runtime), text (data), model sources and
+streaming (model), quantizers (quant), quantized layers (layers), loading,
+settings, the measure, plan and format stages, conversion, evaluation, the
+Python API and the command line. A module may import modules of its own stage
+and of earlier ones. Every import counts, in-function ones included, so an
+import cycle cannot hide inside a function.
 """
 
 from __future__ import annotations
@@ -18,43 +20,33 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mlx_dq"
 
-PIPELINE_ORDER = [
-    # foundations: names, options, file safety, calibration text, input capture, ranks
-    "mlx_dq.errors", "mlx_dq.openblas", "mlx_dq.names", "mlx_dq.options", "mlx_dq.keeprules", "mlx_dq.safety", "mlx_dq.kernels",
-    "mlx_dq.threads", "mlx_dq.cpu_forward", "mlx_dq.calib", "mlx_dq.capture", "mlx_dq.replay", "mlx_dq.distributed",
-    # model sources and loading
-    "mlx_dq.gguf_io", "mlx_dq.sources",
-    # quantizers and quantized layers
-    "mlx_dq.quant", "mlx_dq.linalg", "mlx_dq.gptq", "mlx_dq.mixed", "mlx_dq.rowsplit", "mlx_dq.loader", "mlx_dq.grids",
-    "mlx_dq.settings",
-    # streaming a model, the one quantizer dispatch
-    "mlx_dq.runner", "mlx_dq.quantize",
-    # measuring
-    "mlx_dq.measurement", "mlx_dq.measure",
-    # optimizing, and plans/measurements in other formats
-    "mlx_dq.optimize", "mlx_dq.baselines",
-    "mlx_dq.formats.common", "mlx_dq.formats.facts", "mlx_dq.formats.exl2", "mlx_dq.formats.dashq",
-    "mlx_dq.formats.dynquant", "mlx_dq.formats.mlx_kept16",
-    # the output folder, reading it back, the formats dispatch
-    "mlx_dq.writer", "mlx_dq.report", "mlx_dq.formats", "mlx_dq.plans", "mlx_dq.card", "mlx_dq.hub",
-    # estimating; distilling a quantized model's scales and biases (a stage of its own and a step of convert)
-    "mlx_dq.estimate", "mlx_dq.distill",
-    # converting, and the Python API
-    "mlx_dq.convert", "mlx_dq.api",
-    # evaluating, plotting
-    "mlx_dq.evaluate", "mlx_dq.plots",
-    # the command line and the package facade
-    "mlx_dq.cli", "mlx_dq.__main__", "mlx_dq",
-    # a standalone script that composes the calibration text
-    "mlx_dq.data.compose_calibration",
+STAGES = [
+    "mlx_dq.errors", "mlx_dq.names", "mlx_dq.safety",  # foundations
+    "mlx_dq.runtime",  # OpenBLAS, worker threads, several ranks
+    "mlx_dq.data",  # calibration and evaluation text
+    "mlx_dq.model",  # model sources, input capture, the layer runner
+    "mlx_dq.quant",  # storage arithmetic, RTN, GPTQ, the one quantizer dispatch
+    "mlx_dq.layers",  # mixed-proportion layers, kernels, split tables
+    "mlx_dq.loader", "mlx_dq.settings",  # loading an output folder; stage settings
+    "mlx_dq.measure", "mlx_dq.plan", "mlx_dq.formats",  # the measure and plan stages; other tools' files
+    "mlx_dq.conversion",  # plan resolution, quantize, write, card, hub, estimate, distill
+    "mlx_dq.evaluation",  # perplexity, KL, plots
+    "mlx_dq.api", "mlx_dq.cli", "mlx_dq.__main__", "mlx_dq",  # the Python API, the command line, the facade
 ]
+
+
+def _stage(module: str) -> str:
+    """The stage a module belongs to: its subpackage, or itself for a top-level module."""
+    parts = module.split(".")
+    return module if len(parts) == 1 else ".".join(parts[:2])
+
 
 # functions longer than MAX_LINES, each with the reason it stays whole (see the README's layout section)
 MAX_LINES = 80
 LONG_FUNCTIONS = {
-    "mlx_dq.gptq.gptq_core": "the GPTQ inner loop, one numeric kernel whose steps share the column state",
-    "mlx_dq.gptq.gptq_quantize_many": "GPTQ's setup around the kernel: banks, options, channel order, factor cache, stats",
-    "mlx_dq.optimize._build": "builds the knapsack's item table in one pass over the measurement",
+    "mlx_dq.quant.gptq.gptq_core": "the GPTQ inner loop, one numeric kernel whose steps share the column state",
+    "mlx_dq.quant.gptq.gptq_quantize_many": "GPTQ's setup around the kernel: banks, options, channel order, factor cache, stats",
+    "mlx_dq.plan.optimize._build": "builds the knapsack's item table in one pass over the measurement",
 }
 
 
@@ -102,13 +94,14 @@ def graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, set(mods)) for name, path in mods.items()}
 
 
-def test_every_module_has_a_place_in_the_pipeline_order(graph):
-    assert sorted(graph) == sorted(PIPELINE_ORDER), "add new modules to PIPELINE_ORDER (and the README layout)"
+def test_every_module_belongs_to_a_stage(graph):
+    assert sorted({_stage(m) for m in graph} - set(STAGES)) == [], "add new stages to STAGES (and the README layout)"
 
 
-def test_no_module_imports_a_later_one(graph):
-    rank = {m: i for i, m in enumerate(PIPELINE_ORDER)}
-    back = sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps if rank[d] > rank[m])
+def test_no_module_imports_a_later_stage(graph):
+    rank = {s: i for i, s in enumerate(STAGES)}
+    back = sorted(f"{m} imports {d}" for m, deps in graph.items() for d in deps
+                  if rank[_stage(d)] > rank[_stage(m)])
     assert back == []
 
 
@@ -165,12 +158,10 @@ def test_functions_stay_short_except_the_listed_ones():
     assert sorted(set(LONG_FUNCTIONS) - set(long)) == [], "a listed function got short: drop it from the list"
 
 
-def test_readme_layout_lists_every_module_in_pipeline_order():
+def test_readme_layout_lists_every_stage_in_order():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     section = text[text.index("## Layout"):]
     section = section[: section.find("\n## ", 4) if "\n## " in section[4:] else len(section)]
-    listed = re.findall(r"^\s{2}(\S+\.py)\s", section, flags=re.M)
-    files = [("__init__.py" if m == "mlx_dq" else m.removeprefix("mlx_dq.").replace(".", "/") + ".py")
-             for m in PIPELINE_ORDER]
-    files = [f if f != "formats.py" else "formats/__init__.py" for f in files]
-    assert listed == files
+    listed = re.findall(r"^\s{2}(\S+?)(?:/|\.py)\s", section, flags=re.M)
+    names = [("__init__" if s == "mlx_dq" else s.removeprefix("mlx_dq.")) for s in STAGES]
+    assert listed == names

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import baselines
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_dq import baselines, evaluate
-from mlx_dq.sources import load_model
+from mlx_dq.evaluation import metrics as evaluate
+from mlx_dq.model.sources import load_model
 
 
 @pytest.fixture(scope="module")

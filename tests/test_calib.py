@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_dq import calib
+from mlx_dq.data import calib
 
 
 class WordTokenizer:
@@ -178,7 +178,7 @@ def test_window_check_detects_overlap():
 
 @pytest.mark.slow
 def test_default_calibration_and_eval_rows_share_no_32_token_window():
-    from mlx_dq.sources import resolve
+    from mlx_dq.model.sources import resolve
 
     tok = resolve("smollm2-135m").tokenizer()
     cal = np.array(calib.sample_rows(tok, calib.default_calibration_texts(), 128, 512, seed=0))
@@ -197,7 +197,7 @@ def test_text_digest_tells_texts_apart():
 
 
 def test_generated_calibration_file_matches_its_composer():
-    data = Path(calib.__file__).parent / "data"
+    data = Path(calib.__file__).parent
     spec = importlib.util.spec_from_file_location("compose_calibration", data / "compose_calibration.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

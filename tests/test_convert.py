@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import mlx_dq
-from mlx_dq.convert import convert, quantize_model
-from mlx_dq.report import bit_map, read_manifest
-from mlx_dq.sources import build_model, resolve
-from mlx_dq.capture import quantizable_modules
+from mlx_dq.conversion.pipeline import convert, quantize_model
+from mlx_dq.conversion.report import bit_map, read_manifest
+from mlx_dq.model.capture import quantizable_modules
+from mlx_dq.model.sources import build_model, resolve
 
 CALIB = {"rows": 4, "seq_len": 32, "progress": False}
 TOKENS = mx.array([[1, 5, 9, 17, 33, 65, 2, 7]])
@@ -137,8 +137,8 @@ def test_read_manifest_rejects_foreign_json(tmp_path):
 
 @pytest.mark.parametrize("method", ["gptq", "rtn"])
 def test_promoted_mixed_tensors_are_lossless_and_uniform(method):
-    from mlx_dq.options import QuantOption
-    from mlx_dq.convert import quantize_tensor
+    from mlx_dq.conversion.pipeline import quantize_tensor
+    from mlx_dq.quant.options import QuantOption
 
     mx.random.seed(3)
     w = mx.random.normal((64, 256))
@@ -153,7 +153,7 @@ def test_promoted_mixed_tensors_are_lossless_and_uniform(method):
         assert promoted.nbytes() * 8 == promoted.option.storage_bits(w.shape)
         assert promoted.stats["promoted_from"] == desc
         # the same weight as the natural-order mixed tensor it came from, bit for bit
-        from mlx_dq.quant import quantize_weight
+        from mlx_dq.quant.affine import quantize_weight
         if method == "rtn":
             natural = quantize_weight(w, opt, gram, natural_order=True)
             assert mx.array_equal(promoted.dequantize(), natural.dequantize()).item()

@@ -6,11 +6,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from mlx_lm.models import activations, llama
 
-from mlx_dq import cpu_forward as cf
-from mlx_dq.cpu_forward import blocked_attention, cpu_forward, exp_nonpositive, silu_product, softmax_rows
+from mlx_dq.model import cpu_forward as cf
+from mlx_dq.model.cpu_forward import (
+    blocked_attention,
+    cpu_forward,
+    exp_nonpositive,
+    silu_product,
+    softmax_rows,
+)
 
 
 def _ulps(got: np.ndarray, want64: np.ndarray) -> np.ndarray:
@@ -127,8 +132,8 @@ def test_the_swiglu_swap_reaches_model_modules_and_is_restored():
 
 
 def test_a_model_layer_gives_the_same_output_with_the_swap(tiny_llama, monkeypatch):
-    from mlx_dq.runner import LayerRunner
-    from mlx_dq.sources import resolve
+    from mlx_dq.model.runner import LayerRunner
+    from mlx_dq.model.sources import resolve
 
     src = resolve(str(tiny_llama))
     tokens = mx.array(np.random.default_rng(0).integers(0, 200, (2, 200)), dtype=mx.int32)

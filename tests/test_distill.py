@@ -1,4 +1,4 @@
-"""Distillation of quantized scales and biases against the source's logits (mlx_dq.distill, ``mlx_dq distill``)."""
+"""Distillation of quantized scales and biases against the source's logits (mlx_dq.conversion.distill, ``mlx_dq distill``)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ import pytest
 from click.testing import CliRunner
 
 import mlx_dq
-from mlx_dq import calib, evaluate
-from mlx_dq.capture import quantizable_modules
-from mlx_dq.cli import main
-from mlx_dq.convert import convert
-from mlx_dq.distill import distill
+from mlx_dq.cli.commands import main
+from mlx_dq.conversion.distill import distill
+from mlx_dq.conversion.pipeline import convert
+from mlx_dq.data import calib
+from mlx_dq.evaluation import metrics as evaluate
+from mlx_dq.model.capture import quantizable_modules
+from mlx_dq.model.sources import build_model, load_model, resolve
 from mlx_dq.settings import DistillSettings
-from mlx_dq.sources import build_model, load_model, resolve
 
 ROWS = {"rows": 4, "seq_len": 64}
 TRAIN = {**ROWS, "steps": 30, "lr": 1e-3, "progress": False}
@@ -39,7 +40,7 @@ def _arrays(folder: Path) -> dict[str, np.ndarray]:
 
 
 def _train_kl(source: Path, folder: Path) -> float:
-    """KL(source || folder's model) on the distillation's own rows, measured by mlx_dq.evaluate."""
+    """KL(source || folder's model) on the distillation's own rows, measured by mlx_dq.evaluation.metrics."""
     base, tok, _ = load_model(str(source))
     _, rows = calib.calibration_rows(tok, None, ROWS["rows"], ROWS["seq_len"], 0)
     model, _ = mlx_dq.load(folder)
@@ -239,7 +240,7 @@ def test_convert_distill_trains_scales_keeps_codes_and_records_it(tiny_llama, ll
 
 
 def test_convert_distill_failure_leaves_nothing_that_looks_complete(tiny_llama, tmp_path, monkeypatch):
-    from mlx_dq import distill as distill_mod
+    from mlx_dq.conversion import distill as distill_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("stopped while distilling")

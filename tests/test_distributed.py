@@ -21,13 +21,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-
 from fixtures_models import make_tiny_model_folder
-from mlx_dq import distributed as dist
-from mlx_dq.cli import main
-from mlx_dq.measure import measure, strip_timing
-from mlx_dq.measurement import OptionRecord, TensorRecord, load_measurement
-from mlx_dq.options import QuantOption
+
+from mlx_dq.cli.commands import main
+from mlx_dq.measure.records import OptionRecord, TensorRecord, load_measurement
+from mlx_dq.measure.stream import measure, strip_timing
+from mlx_dq.quant.options import QuantOption
+from mlx_dq.runtime import distributed as dist
 
 GRID = {"default": ["1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g", "1.0:4b_32g"]}  # GPTQ, mixed and uniform
 ROWS, SEQ_LEN = 8, 32  # two batches of four rows: one per rank
@@ -247,7 +247,7 @@ def test_options_are_shared_by_their_measured_seconds(monkeypatch):
 
     import mlx.nn as nn
 
-    from mlx_dq import measure as measure_mod
+    from mlx_dq.measure import stream as measure_mod
     from mlx_dq.settings import MeasureSettings
 
     monkeypatch.setattr(dist, "active", lambda: True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import os
@@ -14,14 +13,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from fixtures_models import make_tiny_model_folder
 
 import mlx_dq
-from mlx_dq import card, hub, openblas
-from mlx_dq.capture import quantizable_modules
-from mlx_dq.cli import main
-from mlx_dq.sources import build_model, resolve
-
-from fixtures_models import make_tiny_model_folder
+from mlx_dq.cli.commands import main
+from mlx_dq.conversion import card, hub
+from mlx_dq.model.capture import quantizable_modules
+from mlx_dq.model.sources import build_model, resolve
+from mlx_dq.runtime import openblas
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIB = {"rows": 4, "seq_len": 32, "progress": False, "method": "rtn"}
@@ -53,7 +52,7 @@ def mixed_out(carded_source, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def stock_out(carded_source, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("outs") / "tiny-stock"
-    mlx_dq.convert.convert(str(carded_source), out, plan=_recipe(carded_source, False), **CALIB)
+    mlx_dq.conversion.pipeline.convert(str(carded_source), out, plan=_recipe(carded_source, False), **CALIB)
     return out
 
 
@@ -72,8 +71,9 @@ def test_matplotlib_is_a_core_dependency():
 
 
 def test_installed_plot_command_writes_pngs(tmp_path):
-    from mlx_dq.measurement import save_measurement
     from test_plots import synthetic_measurement
+
+    from mlx_dq.measure.records import save_measurement
 
     meas = tmp_path / "m.json"
     save_measurement(synthetic_measurement(), meas)
@@ -119,7 +119,7 @@ def test_command_reexecutes_once_with_openblas():
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("preloading OpenBLAS") == 1, proc.stderr
     assert "version" in proc.stdout
-    probe = ("from mlx_dq.openblas import maybe_reexec; maybe_reexec(); import os; "
+    probe = ("from mlx_dq.runtime.openblas import maybe_reexec; maybe_reexec(); import os; "
              "print(os.environ.get('LD_PRELOAD')); print(open('/proc/self/maps').read().count('libopenblas') > 0)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           env=_clean_env())
@@ -199,8 +199,8 @@ def test_card_carries_source_fields_method_bit_map_command_and_loading(carded_so
 
 def test_card_from_cli_records_the_exact_command(carded_source, tmp_path):
     plan = tmp_path / "recipe.json"
-    from mlx_dq.convert import plan_from_options
-    from mlx_dq.optimize import save_plan
+    from mlx_dq.conversion.pipeline import plan_from_options
+    from mlx_dq.plan.optimize import save_plan
 
     save_plan(plan_from_options(_recipe(carded_source, False), resolve(str(carded_source))), plan)
     out = tmp_path / "cli-out"
@@ -293,7 +293,7 @@ def test_upload_offline_fails_at_once_and_leaves_the_folder(mixed_out, tmp_path,
 
 
 def test_convert_with_upload_repo_offline_fails_before_any_work(carded_source, tmp_path, monkeypatch):
-    import mlx_dq.convert as conv
+    import mlx_dq.conversion.pipeline as conv
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(conv, "convert", lambda *a, **k: pytest.fail("convert started while offline"))
@@ -336,9 +336,10 @@ def test_upload_sends_exactly_the_listed_files_and_names_the_repo_in_the_card(mi
 def test_python_api_reads_like_mlx_lm(carded_source, tmp_path):
     import mlx_lm
 
-    conv_module = importlib.import_module("mlx_dq.convert")
-    assert mlx_dq.convert is conv_module and callable(mlx_dq.convert)
-    from mlx_dq.convert import convert as inner, quantize_model  # noqa: F401  the module's own names still import
+    from mlx_dq.conversion.pipeline import convert as inner
+    from mlx_dq.conversion.pipeline import convert_as_mlx_lm
+
+    assert mlx_dq.convert is convert_as_mlx_lm
 
     assert inner is not mlx_dq.convert
     params = inspect.signature(mlx_dq.convert).parameters
@@ -359,9 +360,9 @@ def test_python_api_reads_like_mlx_lm(carded_source, tmp_path):
                        dtype="bfloat16", **{**CALIB, "method": "gptq"})
 
 
-@pytest.mark.parametrize("first", ["import mlx_dq", "from mlx_dq.convert import convert", "import mlx_dq.convert"])
+@pytest.mark.parametrize("first", ["import mlx_dq", "from mlx_dq.conversion.pipeline import convert", "import mlx_dq.conversion.pipeline"])
 def test_mlx_dq_convert_is_callable_whatever_is_imported_first(first):
-    code = (f"{first}\nimport mlx_dq, inspect\nfrom mlx_dq.convert import quantize_model, convert as c\n"
+    code = (f"{first}\nimport mlx_dq, inspect\nfrom mlx_dq.conversion.pipeline import quantize_model, convert as c\n"
             "assert callable(mlx_dq.convert) and callable(c) and c is not mlx_dq.convert\n"
             "from mlx_dq import convert as api\nassert api is mlx_dq.convert\n"
             "print(list(inspect.signature(api).parameters)[:2])")

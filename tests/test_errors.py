@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from fixtures_models import make_tiny_model_folder
-from mlx_dq import openblas, threads
-from mlx_dq.cli import _announce, main
+
+from mlx_dq.cli.commands import _announce, main
 from mlx_dq.errors import InputError, MlxDqError
+from mlx_dq.runtime import openblas, threads
 
 QUICK = ["--rows", "2", "--seq-len", "16", "--method", "rtn"]
 
@@ -55,7 +55,7 @@ def test_an_mlx_dq_error_is_one_line(monkeypatch, folders):
     def refuse(spec):
         raise InputError(f"{spec}: refused for this test")
 
-    monkeypatch.setattr("mlx_dq.sources.resolve", refuse)
+    monkeypatch.setattr("mlx_dq.model.sources.resolve", refuse)
     assert one_error(cli("info", folders["good"])) == f"Error: {folders['good']}: refused for this test"
 
 
@@ -65,7 +65,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch, folders, bug):
     def broken(spec):
         raise bug
 
-    monkeypatch.setattr("mlx_dq.sources.resolve", broken)
+    monkeypatch.setattr("mlx_dq.model.sources.resolve", broken)
     result = cli("info", folders["good"])
     assert result.exception is bug
     assert "Error:" not in result.output
@@ -76,7 +76,7 @@ def test_a_system_error_names_its_file(monkeypatch, folders):
     def denied(spec):
         raise PermissionError(13, "Permission denied", f"{spec}/config.json")
 
-    monkeypatch.setattr("mlx_dq.sources.resolve", denied)
+    monkeypatch.setattr("mlx_dq.model.sources.resolve", denied)
     assert one_error(cli("info", folders["good"])) == f"Error: {folders['good']}/config.json: Permission denied"
 
 
@@ -131,7 +131,7 @@ def test_convert_refuses_a_target_outside_the_grid_before_measuring(monkeypatch,
     def no_measuring(*a, **kw):
         raise AssertionError("measured before refusing the target")
 
-    monkeypatch.setattr("mlx_dq.measure.measure", no_measuring)
+    monkeypatch.setattr("mlx_dq.measure.stream.measure", no_measuring)
     line = one_error(cli("convert", "--model", folders["good"], "--bpw", "9", "-o", tmp_path / "out", *QUICK),
                      "9 bpw", "8.5000")
     assert "option grid" in line

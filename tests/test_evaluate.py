@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 
+import baselines
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_dq import baselines, evaluate
-from mlx_dq.sources import load_model
+from mlx_dq.evaluation import metrics as evaluate
+from mlx_dq.model.sources import load_model
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +119,9 @@ def test_dequantize_model_keeps_the_logits(fixture, request, rows):
 
 
 def test_dequantize_model_handles_mixed_layers(llama, rows):
-    mixed = pytest.importorskip("mlx_dq.mixed")
-    from mlx_dq.options import QuantOption
-    from mlx_dq.quant import quantize_weight
+    mixed = pytest.importorskip("mlx_dq.layers.mixed")
+    from mlx_dq.quant.affine import quantize_weight
+    from mlx_dq.quant.options import QuantOption
 
     model, _, config = llama
     m = baselines.cast_copy(model, mx.float32)
@@ -176,7 +177,7 @@ def quantized_folder(tiny_llama, tmp_path_factory):
 def test_eval_cli_on_an_mlx_lm_folder(quantized_folder, tiny_llama):
     from click.testing import CliRunner
 
-    from mlx_dq.cli import main
+    from mlx_dq.cli.commands import main
 
     args = ["eval", str(quantized_folder), "--base", str(tiny_llama), "--rows", "2", "--seq-len", "16", "--no-speed"]
     res = CliRunner().invoke(main, args)
@@ -191,8 +192,8 @@ def test_eval_cli_writes_results_into_the_manifest(tiny_llama, tmp_path):
 
     from click.testing import CliRunner
 
-    conv = pytest.importorskip("mlx_dq.convert")
-    from mlx_dq.cli import main
+    conv = pytest.importorskip("mlx_dq.conversion.pipeline")
+    from mlx_dq.cli.commands import main
 
     out = tmp_path / "dq"
     conv.convert(str(tiny_llama), out, bpw=4.0, rows=2, seq_len=16, progress=False)
@@ -212,7 +213,7 @@ def test_eval_cli_writes_results_into_the_manifest(tiny_llama, tmp_path):
 def test_eval_cli_refuses_a_missing_model(tmp_path):
     from click.testing import CliRunner
 
-    from mlx_dq.cli import main
+    from mlx_dq.cli.commands import main
 
     res = CliRunner().invoke(main, ["eval", str(tmp_path / "nowhere"), "--no-speed"])
     assert res.exit_code != 0 and "nowhere" in res.output

@@ -2,7 +2,7 @@
 
 The references below are the plain formulations (``mx.round`` rounding, the
 dequantized value computed per weight, the GPTQ column step through
-:func:`mlx_dq.gptq.codes_f16` / :func:`mlx_dq.gptq.dequant_f16`); the fast paths
+:func:`mlx_dq.quant.gptq.codes_f16` / :func:`mlx_dq.quant.gptq.dequant_f16`); the fast paths
 must give bit-identical codes, scales, biases and errors.
 """
 
@@ -14,11 +14,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_dq.quant as quant
-from mlx_dq import gptq
-from mlx_dq.gptq import choose_group_params, codes_f16, dequant_f16, factor_hessian, gptq_core
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import clip_search, clipped_rint, gram_weights
+import mlx_dq.quant.affine as quant
+from mlx_dq.quant import gptq
+from mlx_dq.quant.affine import clip_search, clipped_rint, gram_weights
+from mlx_dq.quant.gptq import (
+    choose_group_params,
+    codes_f16,
+    dequant_f16,
+    factor_hessian,
+    gptq_core,
+)
+from mlx_dq.quant.options import QuantOption
 
 
 def test_clipped_rint_equals_clipped_round() -> None:
@@ -283,9 +289,9 @@ BLOCK_CASES = [(method, clip, desc, kind)
 @pytest.mark.parametrize("method,clip,desc,kind", BLOCK_CASES)
 def test_measure_in_row_blocks_equals_one_piece(method, clip, desc, kind, monkeypatch) -> None:
     """Row blocks give the one-piece codes bit for bit, errors to float rounding and the same clip counts."""
-    from mlx_dq import measure as measure_mod
-    from mlx_dq import quantize as quantize_mod
-    from mlx_dq.capture import InputStats
+    from mlx_dq.measure import stream as measure_mod
+    from mlx_dq.model.capture import InputStats
+    from mlx_dq.quant import dispatch as quantize_mod
 
     rng = np.random.default_rng(5)
     rows, in_f = 300, 128
@@ -328,7 +334,7 @@ def test_measure_in_row_blocks_equals_one_piece(method, clip, desc, kind, monkey
 @pytest.mark.parametrize("bank", [False, True])
 def test_quantize_rows_equals_one_piece(method, clip, desc, promote, bank, monkeypatch) -> None:
     """The converter's row-block quantizer stores the one-piece codes, scales and biases bit for bit."""
-    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.quant import dispatch as quantize_mod
 
     rng = np.random.default_rng(6)
     rows, in_f = 300, 128

@@ -12,17 +12,23 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from mlx.utils import tree_flatten
-
 from fixtures_models import save_tokenizer, tiny_tokenizer
-from mlx_dq.cli import main
+from mlx.utils import tree_flatten
+from seeds import seed_path
+
+from mlx_dq.cli.commands import main
 from mlx_dq.formats import dashq, detect, dynquant, mlx_kept16
 from mlx_dq.formats.common import map_names, modules_for, storable_option
-from mlx_dq.measurement import JointGroup, JointOption, Measurement, OptionRecord, save_measurement
-from mlx_dq.optimize import load_plan, optimize
-from mlx_dq.options import QuantOption
-from mlx_dq.sources import build_model
-from seeds import seed_path
+from mlx_dq.measure.records import (
+    JointGroup,
+    JointOption,
+    Measurement,
+    OptionRecord,
+    save_measurement,
+)
+from mlx_dq.model.sources import build_model
+from mlx_dq.plan.optimize import load_plan, optimize
+from mlx_dq.quant.options import QuantOption
 
 SCHEMA = Path(__file__).resolve().parents[1] / "mlx_dq" / "schemas" / "manifest.schema.json"
 
@@ -491,7 +497,7 @@ def test_bfloat16_source_stays_bfloat16(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
     plan = {"model.layers.0.mlp.down_proj": "1.0:4b_64g", "model.layers.1.self_attn.q_proj": "1.0:3b_32g"}
-    from mlx_dq.convert import convert
+    from mlx_dq.conversion.pipeline import convert
 
     convert(str(src), tmp_path / "out", plan=plan, method="rtn", clip=False, dtype="auto", rows=2, seq_len=32,
             progress=False)

@@ -19,10 +19,10 @@ from typing import Any, Callable
 
 import pytest
 from click.testing import CliRunner
-
 from fixtures_models import make_tiny_model_folder
-from mlx_dq.cli import main
-from mlx_dq.measure import measure
+
+from mlx_dq.cli.commands import main
+from mlx_dq.measure.stream import measure
 
 SEED = 1234
 PER_READER = 200  # 600 damaged files in all

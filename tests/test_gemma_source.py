@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from mlx_dq import calib, sources
+from mlx_dq.data import calib
+from mlx_dq.model import sources
 
 
 def test_missing_packages_name_the_install(monkeypatch):

@@ -9,10 +9,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm import generate
-from mlx_lm.utils import load_tokenizer
-
 from fixtures_models import (
     CHAT_TEMPLATE,
     llama_cpp_permute,
@@ -22,7 +18,11 @@ from fixtures_models import (
     tiny_tokenizer,
     write_tiny_gguf,
 )
-from mlx_dq.sources import build_model, resolve
+from mlx.utils import tree_flatten
+from mlx_lm import generate
+from mlx_lm.utils import load_tokenizer
+
+from mlx_dq.model.sources import build_model, resolve
 
 TEXT = "the quick brown fox said hello to the lazy dog, 12 times"
 

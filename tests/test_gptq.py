@@ -6,9 +6,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dq.gptq import factor_hessian, gptq_core, gptq_quantize, gptq_quantize_many, refine_group_params
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import act_order, pack_codes, quantize_weight
+from mlx_dq.quant.affine import act_order, pack_codes, quantize_weight
+from mlx_dq.quant.gptq import (
+    factor_hessian,
+    gptq_core,
+    gptq_quantize,
+    gptq_quantize_many,
+    refine_group_params,
+)
+from mlx_dq.quant.options import QuantOption
 
 UNIFORM = ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_32g", "1.0:4b_128g"]
 MIXED = ["0.25:4b_32g/0.75:3b_64g", "0.1:6b_128g/0.9:2b_32g", "0.3:8b_64g/0.3:4b_32g/0.4:2b_64g"]
@@ -196,9 +202,9 @@ def test_keep16_and_bad_input(layer):
 @pytest.fixture(scope="module")
 def real_layer_inputs(bundled_gguf):
     """Weights and input Grams (calibration rows, held-out evaluation rows) of two layers of the bundled SmolLM2."""
-    from mlx_dq import calib
-    from mlx_dq.capture import GramCollector
-    from mlx_dq.sources import load_model
+    from mlx_dq.data import calib
+    from mlx_dq.model.capture import GramCollector
+    from mlx_dq.model.sources import load_model
 
     model, tokenizer, _ = load_model(str(bundled_gguf))
     layer = model.model.layers[5]
@@ -217,7 +223,7 @@ def real_layer_inputs(bundled_gguf):
 @pytest.mark.slow
 @pytest.mark.parametrize("desc", ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "0.25:4b_32g/0.75:3b_64g"])
 def test_real_layers_compensation_beats_rounding(real_layer_inputs, desc):
-    from mlx_dq.quant import output_error
+    from mlx_dq.quant.affine import output_error
 
     opt = QuantOption.parse(desc)
     for name, (w, gram, held) in real_layer_inputs.items():
@@ -274,7 +280,7 @@ def _same_tensor(a, b) -> bool:
     ["0.1:3b_64g/0.9:2b_64g", "0.5:4b_64g/0.5:3b_64g", "0.25:8b_64g/0.75:6b_64g", "0.25:5b_64g/0.75:4b_64g"],
 ])
 def test_options_in_one_pass_equal_one_call_each(layer, descs):
-    from mlx_dq.gptq import gptq_quantize_many
+    from mlx_dq.quant.gptq import gptq_quantize_many
 
     w, x, gram = layer
     opts = [QuantOption.parse(d) for d in descs]
@@ -286,7 +292,7 @@ def test_options_in_one_pass_equal_one_call_each(layer, descs):
 
 
 def test_option_quantizer_batches_in_order_and_within_budget(layer):
-    from mlx_dq.quantize import option_quantizer, quantize_tensor
+    from mlx_dq.quant.dispatch import option_quantizer, quantize_tensor
 
     w, x, gram = layer
     descs = ["1.0:3b_64g", "0.25:4b_64g/0.75:3b_64g", "1.0:4b_32g", "1.0:4b_64g", "0.5:4b_64g/0.5:3b_64g",
@@ -306,7 +312,7 @@ def test_option_quantizer_batches_in_order_and_within_budget(layer):
 
 
 def test_options_of_different_layouts_refused_in_one_pass(layer):
-    from mlx_dq.gptq import gptq_quantize_many
+    from mlx_dq.quant.gptq import gptq_quantize_many
 
     w, x, gram = layer
     with pytest.raises(ValueError, match="same channel order and group layout"):
@@ -321,8 +327,8 @@ def test_options_of_different_layouts_refused_in_one_pass(layer):
 def test_factor_is_the_inverse_cholesky_in_little_memory(monkeypatch):
     """U^T U equals the damped, reordered H^-1; factorising holds one k x k MLX array (the factor) and bounded
     chunks besides the Gram, by blocks of columns."""
-    from mlx_dq import linalg
-    from mlx_dq.gptq import damped_hessian
+    from mlx_dq.quant import linalg
+    from mlx_dq.quant.gptq import damped_hessian
 
     k = 640
     monkeypatch.setattr(linalg, "BLOCK", 64)  # ten column blocks (a panel is 10% of the matrix)
@@ -348,7 +354,7 @@ def test_factor_is_the_inverse_cholesky_in_little_memory(monkeypatch):
 def test_blocked_factor_and_inverse_in_place(k, block, monkeypatch):
     """Cholesky, triangular inverse and reversal by blocks and row chunks equal float64 references, in the
     buffer they were given; a matrix that is not positive definite is refused."""
-    from mlx_dq import linalg
+    from mlx_dq.quant import linalg
 
     monkeypatch.setattr(linalg, "CHUNK_FLOATS", 5 * k)  # ragged row chunks
     rng = np.random.default_rng(k)
@@ -377,7 +383,7 @@ def test_blocked_factor_and_inverse_in_place(k, block, monkeypatch):
 
 def test_group_parameters_in_row_chunks_equal_one_call(monkeypatch, layer):
     """The scale search runs on bounded chunks of rows; rows are independent, so the parameters are the same."""
-    import mlx_dq.gptq as gq
+    import mlx_dq.quant.gptq as gq
 
     w, _, gram = layer
     wg = w.reshape(1, w.shape[0], -1, 32)
@@ -394,7 +400,7 @@ def test_group_parameters_on_threads_equal_one_thread(monkeypatch, layer, clip):
     """Called from the main thread, the chunks of rows run on worker threads: the same parameters as on one."""
     import threading
 
-    import mlx_dq.gptq as gq
+    import mlx_dq.quant.gptq as gq
 
     w, _, gram = layer
     wg = w.reshape(1, w.shape[0], -1, 32)
@@ -422,8 +428,8 @@ def test_group_parameters_on_threads_equal_one_thread(monkeypatch, layer, clip):
 def test_unclipped_group_parameters_skip_the_scoring_with_the_same_values(layer, bits):
     """Without clip factors the search's start is MLX's range rule, as ``clip_search`` with no factors chooses,
     and as ``mx.quantize`` stores for the fp16 weights."""
-    from mlx_dq.gptq import choose_group_params
-    from mlx_dq.quant import clip_search
+    from mlx_dq.quant.affine import clip_search
+    from mlx_dq.quant.gptq import choose_group_params
 
     w = layer[0]
     wg = w.reshape(1, w.shape[0], -1, 64)
@@ -439,7 +445,7 @@ def test_unclipped_group_parameters_skip_the_scoring_with_the_same_values(layer,
 def test_gptq_column_copy_and_output_error_on_threads_equal_one_thread(monkeypatch, layer, act):
     """The column-major copy (pieces of rows) and the output error (pieces of channels) run on worker threads from
     the main thread: the same codes and the same per-row errors, bit for bit, as on one thread."""
-    import mlx_dq.gptq as gq
+    import mlx_dq.quant.gptq as gq
 
     w, _, gram = layer
     opt = QuantOption.parse("1.0:4b_32g")
@@ -480,8 +486,8 @@ def test_known_row_errors_equal_the_gram_form(layer, desc, act_order):
 
 
 def test_known_row_errors_with_banks_dead_channels_and_row_blocks(monkeypatch, layer):
-    from mlx_dq import quantize as qz
-    from mlx_dq.gptq import gptq_quantize_many
+    from mlx_dq.quant import dispatch as qz
+    from mlx_dq.quant.gptq import gptq_quantize_many
 
     w, _, gram = layer
     opts = [QuantOption.parse(d) for d in ("1.0:3b_64g", "1.0:4b_64g", "1.0:5b_64g")]
@@ -505,7 +511,7 @@ def test_known_row_errors_with_banks_dead_channels_and_row_blocks(monkeypatch, l
 
 def test_spans_of_blocks_give_the_one_block_at_a_time_result(monkeypatch, layer):
     """Columns beyond a span are updated once per span: the same quantization up to float rounding."""
-    import mlx_dq.gptq as gq
+    import mlx_dq.quant.gptq as gq
 
     w, x, gram = layer
     results = {}
@@ -524,7 +530,7 @@ def test_sub_blocks_give_the_column_by_column_result(monkeypatch, layer):
     """Within a block, columns update each other one by one only inside sub-blocks; a sub-block's errors reach the
     rest of the block in one product. Sub-blocks of 24 columns cut groups of 32 chosen as their columns come up, so
     they also end at each group's first column: the same quantization up to float rounding."""
-    import mlx_dq.gptq as gq
+    import mlx_dq.quant.gptq as gq
 
     w, x, gram = layer
     assert gq._sub_blocks(0, 64, None) == [16, 32, 48, 64]
@@ -544,7 +550,7 @@ def test_sub_blocks_give_the_column_by_column_result(monkeypatch, layer):
 def test_singular_gram_gets_more_damping_and_the_factor_stays_right(monkeypatch):
     """A rank-deficient Gram without damping is not positive definite: the blocked factorisation fails part way,
     the buffer is rebuilt from the Gram with added damping, and U^T U is the inverse of that damped matrix."""
-    from mlx_dq import linalg
+    from mlx_dq.quant import linalg
 
     monkeypatch.setattr(linalg, "BLOCK", 16)
     k = 64
@@ -565,7 +571,7 @@ def test_failed_factor_is_multiplied_back(k, block, fail_at, monkeypatch):
     """A Cholesky that stops part way (a channel dependent on earlier ones, no damping) is undone in place: the
     lower triangle equals the original matrix again, so a consumed Gram can be damped more and factorised anew;
     permuting in place equals fancy indexing."""
-    from mlx_dq import linalg
+    from mlx_dq.quant import linalg
 
     monkeypatch.setattr(linalg, "CHUNK_FLOATS", 3 * k)
     rng = np.random.default_rng(k)
@@ -590,8 +596,8 @@ def test_consumed_gram_becomes_the_same_factor(rank, damp, monkeypatch):
     """A Gram factorised in its own buffer gives the factor of a copy (bit for bit when no retry was needed; to
     float rounding after a failed attempt was multiplied back and damped more); GPTQ on the stand-in equals GPTQ on
     the Gram; anything needing the Gram itself fails loudly."""
-    from mlx_dq import linalg
-    from mlx_dq.gptq import FactoredGram, consume_gram
+    from mlx_dq.quant import linalg
+    from mlx_dq.quant.gptq import FactoredGram, consume_gram
 
     monkeypatch.setattr(linalg, "BLOCK", 16)
     monkeypatch.setattr(linalg, "CHUNK_FLOATS", 16 * 64)
@@ -630,7 +636,7 @@ def test_consumed_gram_becomes_the_same_factor(rank, damp, monkeypatch):
 def test_factor_finiteness_is_checked_by_row_chunks(monkeypatch):
     """The factor's finiteness check reads a chunk of rows at a time (no k x k bool array) and still sees a bad
     entry anywhere, in any matrix of a batch."""
-    from mlx_dq import gptq, linalg
+    from mlx_dq.quant import gptq, linalg
 
     monkeypatch.setattr(linalg, "CHUNK_FLOATS", 3 * 10)  # 3 rows of a 10-wide matrix per chunk
     a = np.ones((2, 10, 10), dtype=np.float32)
@@ -646,7 +652,7 @@ def test_fp16_rounding_by_arithmetic_gives_the_conversions_values(monkeypatch):
     conversions (dequant_f16, used where values could reach the end of fp16's range: forced here by a limit of 0),
     bit for bit: the same codes and values, for act-ordered uniform options of several widths batched, mixed
     options and zero-scale groups (an all-zero group of columns)."""
-    import mlx_dq.gptq as gq
+    import mlx_dq.quant.gptq as gq
 
     w, x = _problem(48, 256, 600, 11)
     w[:, 64:96] = 0.0  # groups of 32 whose scale is 0
@@ -667,7 +673,7 @@ def test_round_f16_matches_numpys_conversion():
     in fp16's normal range of every binade and sign, ties between fp16 neighbours (to even), products of fp16 scales
     (subnormal ones too) and codes, and float32 sums of two fp16 values (down to cancellations into the subnormal
     range). The test fails if the split keeps a bit more or less."""
-    import mlx_dq.gptq as gq
+    import mlx_dq.quant.gptq as gq
 
     rng = np.random.default_rng(5)
     n = 200_000

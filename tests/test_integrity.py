@@ -16,12 +16,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from cli_checks import cli, one_error_line
 from fixtures_models import make_tiny_model_folder
-from mlx_dq.convert import plan_from_options
-from mlx_dq.optimize import save_plan
-from mlx_dq.sources import resolve
+
+from mlx_dq.conversion.pipeline import plan_from_options
+from mlx_dq.model.sources import resolve
+from mlx_dq.plan.optimize import save_plan
 
 CALIB = ["--rows", "2", "--seq-len", "16", "--method", "rtn", "--no-clip"]
 EVAL = ["--rows", "1", "--seq-len", "8", "--batch-size", "1", "--no-speed", "--no-write"]
@@ -39,8 +39,8 @@ def clean(result) -> bool:
 
 def _convert(src: Path, out: Path, mixed: bool = True) -> Path:
     """Convert ``src`` into ``out`` with 4-bit layers (and mixed 4/3-bit MLP layers, which add the model file)."""
-    from mlx_dq.capture import quantizable_modules
-    from mlx_dq.sources import build_model
+    from mlx_dq.model.capture import quantizable_modules
+    from mlx_dq.model.sources import build_model
 
     source = resolve(str(src))
     mods = quantizable_modules(build_model(source.config))
@@ -114,7 +114,7 @@ def test_eval_and_distill_refuse_a_source_whose_fingerprint_changed(made, tmp_pa
 
 
 def test_an_older_manifest_with_a_relative_source_is_resolved_and_still_checked(made, tmp_path, monkeypatch):
-    from mlx_dq.evaluate import manifest_base
+    from mlx_dq.evaluation.metrics import manifest_base
 
     work = tmp_path / "a"
     src = _copy(made["src"], work / "src")
@@ -131,7 +131,7 @@ def test_an_older_manifest_with_a_relative_source_is_resolved_and_still_checked(
 
 
 def test_hub_ids_and_bundled_names_are_recorded_as_given(tmp_path):
-    from mlx_dq.sources import DEFAULT_MODEL, ModelSource, recorded_spec
+    from mlx_dq.model.sources import DEFAULT_MODEL, ModelSource, recorded_spec
 
     assert recorded_spec(ModelSource("user/model", "hub", tmp_path, {})) == "user/model"
     assert recorded_spec(ModelSource(DEFAULT_MODEL, "default", tmp_path / "x.gguf", {})) == DEFAULT_MODEL
@@ -166,7 +166,7 @@ def test_a_damaged_header_or_cut_weights_give_one_error_line(made, tmp_path):
 
 
 def test_inspect_summarizes_a_measurement_file(made, tmp_path):
-    from mlx_dq.measure import measure
+    from mlx_dq.measure.stream import measure
 
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps({"roles": {"default": ["1.0:3b_64g", "1.0:4b_64g"]}}))
@@ -175,7 +175,7 @@ def test_inspect_summarizes_a_measurement_file(made, tmp_path):
             method="rtn", kl_scale=False, progress=False)
     r = cli("inspect", m)
     assert r.exit_code == 0, r.output
-    assert "mlx_dq.measurement measurement" in r.output
+    assert "mlx_dq.measure.records measurement" in r.output
 
 
 def test_upload_runs_the_checks_of_verify(made, tmp_path, monkeypatch):
@@ -226,7 +226,7 @@ def _edit_config(folder: Path, rng: random.Random) -> str:
         mixed = config["mlx_dq"]["mixed"]
         name = rng.choice(sorted(mixed))
         mixed[name]["option"] = rng.choice(["1.0:4b_64g", "0.5:3b_64g/0.5:4b_32g", "garbage", 7, None])
-        key = f"mlx_dq.mixed.{name}"
+        key = f"mlx_dq.layers.mixed.{name}"
     else:
         config["model_file"] = rng.choice(["evil.py", "../x.py", 5, None])
     path.write_text(json.dumps(config))

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dq import kernels
+from mlx_dq.layers import kernels
 
 BITS = (2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)

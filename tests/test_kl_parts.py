@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_dq.convert import convert
+from mlx_dq.conversion.pipeline import convert
 
 ROOT = Path(__file__).resolve().parents[1]
 

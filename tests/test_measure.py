@@ -9,14 +9,25 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from fixtures_models import (
+    make_tiny_model_folder,
+    random_weights,
+    save_tokenizer,
+    tiny_tokenizer,
+)
 
-from fixtures_models import make_tiny_model_folder, random_weights, save_tokenizer, tiny_tokenizer
-from mlx_dq import calib
-from mlx_dq.evaluate import perplexity
-from mlx_dq.measure import measure, measure_module, reference_option, robust_energy, strip_timing
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import quantize_weight
-from mlx_dq.sources import resolve
+from mlx_dq.data import calib
+from mlx_dq.evaluation.metrics import perplexity
+from mlx_dq.measure.stream import (
+    measure,
+    measure_module,
+    reference_option,
+    robust_energy,
+    strip_timing,
+)
+from mlx_dq.model.sources import resolve
+from mlx_dq.quant.affine import quantize_weight
+from mlx_dq.quant.options import QuantOption
 
 GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g", "1.0:4b_32g", "1.0:4b_128g", "1.0:8b_64g"]}
 
@@ -120,7 +131,7 @@ def test_streamed_perplexity_equals_full_model(folders, grid_file):
 
 def test_base_perplexity_is_the_importance_rows_and_the_head_gram_all_rows(folders, grid_file, monkeypatch):
     """Only the importance rows' logits are made (the base perplexity); every row still feeds the head's Gram."""
-    from mlx_dq import measure as measure_mod
+    from mlx_dq.measure import stream as measure_mod
 
     folder = folders["llama"]
     nll_rows, grams = [], {}
@@ -299,7 +310,7 @@ def test_measure_module_needs_inputs_and_linears(grid_file):
 
 @pytest.mark.slow
 def test_bundled_model_gram_errors_match_direct(tmp_path):
-    from mlx_dq.sources import DEFAULT_MODEL
+    from mlx_dq.model.sources import DEFAULT_MODEL
 
     grid = tmp_path / "grid.json"
     grid.write_text(json.dumps({"description": "one option", "roles": {"default": ["0.5:4b_32g/0.5:3b_64g"]}}))
@@ -354,7 +365,7 @@ def test_kl_importance_mode(folders, grid_file):
 
 def test_gptq_measurement_gives_the_converters_errors(folders, grid_file):
     """method="gptq" records the error of the converter's own quantizer, lower than rounding."""
-    from mlx_dq.convert import quantize_tensor
+    from mlx_dq.conversion.pipeline import quantize_tensor
 
     folder = folders["llama"]
     rtn = _run(folder, grid_file, kl_scale=False)
@@ -385,7 +396,7 @@ def test_gptq_measurement_gives_the_converters_errors(folders, grid_file):
 
 def test_kl_scale_matches_whole_model_kl(folders, grid_file):
     """The carried perturbations give the same KL as quantizing a layer's tensors in the whole model."""
-    from mlx_dq.grids import role_of
+    from mlx_dq.measure.grids import role_of
 
     folder = folders["llama"]
     m = _run(folder, grid_file, importance_rows=2)
@@ -428,7 +439,7 @@ def test_kl_scale_matches_whole_model_kl(folders, grid_file):
 
 def test_lookup_side_priced_by_its_own_kl_end_to_end(folders, grid_file):
     """A lookup table's KL per squared lookup error comes from the lookup alone quantized in the whole model."""
-    from mlx_dq.measure import _lookup_error
+    from mlx_dq.measure.stream import _lookup_error
 
     folder = folders["llama"]  # untied: the embedding is only a lookup table
     m = _run(folder, grid_file, importance_rows=2)
@@ -450,7 +461,7 @@ def test_lookup_side_priced_by_its_own_kl_end_to_end(folders, grid_file):
 
 def test_depth_kl_scales_interpolate_between_samples():
     """Layers between sampled ones get the log-linear mean of their ratios, layers beyond get the nearest's."""
-    from mlx_dq.measure import depth_kl_scales
+    from mlx_dq.measure.stream import depth_kl_scales
 
     samples = [{"layer": 1, "kl": 0.2, "predicted": 0.1}, {"layer": 5, "kl": 0.8, "predicted": 0.1},
                {"layer": 3, "kl": 0.0, "predicted": 0.1}]  # no KL: left out
@@ -483,7 +494,7 @@ def test_tied_head_damage_counts_both_sides(tmp_path, grid_file):
 
 def test_head_options_predicted_from_anchors_on_a_row_sample(tmp_path, grid_file):
     """With a row sample, the head's anchors keep their end-to-end KL and the others are predicted close to it."""
-    from mlx_dq.measure import head_anchors
+    from mlx_dq.measure.stream import head_anchors
 
     folder = make_tiny_model_folder(tmp_path, "llama", num_layers=2, tie=True)
     exact = _run(folder, grid_file, importance_rows=2, sample_rows=0)
@@ -509,9 +520,9 @@ def test_head_options_predicted_from_anchors_on_a_row_sample(tmp_path, grid_file
 def test_reference_weights_wait_at_their_stored_size(block_rows, monkeypatch):
     """The importance pass's reference waits as its codes, scales and biases (a 3-bit g64 weight: under a quarter of
     float16's bytes), whole rows joined when measured in blocks, and dequantizes to the weight quantized in one piece."""
-    from mlx_dq import quantize as quantize_mod
-    from mlx_dq.capture import InputStats
-    from mlx_dq.measure import measure_tensor
+    from mlx_dq.measure.stream import measure_tensor
+    from mlx_dq.model.capture import InputStats
+    from mlx_dq.quant import dispatch as quantize_mod
 
     rng = np.random.default_rng(3)
     w = mx.array(rng.standard_normal((300, 128)).astype("float32"))
@@ -531,7 +542,7 @@ def test_reference_weights_wait_at_their_stored_size(block_rows, monkeypatch):
 
 
 def test_collector_release_drops_the_grams():
-    from mlx_dq.capture import GramCollector
+    from mlx_dq.model.capture import GramCollector
 
     lin = nn.Linear(16, 8)
     with GramCollector({"lin": lin}) as col:
@@ -544,8 +555,8 @@ def test_collector_release_drops_the_grams():
 
 def test_lookup_table_measured_on_its_looked_up_rows_only():
     """An untied embedding's options are metered on the rows the tokens use: the same lookup errors as on every row."""
-    from mlx_dq.capture import InputStats
-    from mlx_dq.measure import measure_tensor
+    from mlx_dq.measure.stream import measure_tensor
+    from mlx_dq.model.capture import InputStats
 
     w = mx.random.normal((300, 64), key=mx.random.key(1))
     counts = np.zeros(300)
@@ -563,8 +574,8 @@ def test_lookup_table_measured_on_its_looked_up_rows_only():
 
 def test_input_error_equals_the_gram_form():
     """The importance pass takes a linear layer's error from its inputs, with the Gram form's value."""
-    from mlx_dq.measure import input_error
-    from mlx_dq.quant import output_error
+    from mlx_dq.measure.stream import input_error
+    from mlx_dq.quant.affine import output_error
 
     x = mx.random.normal((96, 64), key=mx.random.key(2)) * mx.linspace(0.1, 3.0, 64)
     w = mx.random.normal((48, 64), key=mx.random.key(3))

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from seeds import seed_path  # noqa: E402
 
-from mlx_dq import measurement as meas
-from mlx_dq.measurement import (
+from mlx_dq.measure import records as meas
+from mlx_dq.measure.records import (
     JointGroup,
     JointOption,
     Measurement,
@@ -20,9 +21,7 @@ from mlx_dq.measurement import (
     map_exl2_qparams,
     save_measurement,
 )
-from mlx_dq.options import QuantOption
-
-from seeds import seed_path  # noqa: E402
+from mlx_dq.quant.options import QuantOption
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,16 +9,16 @@ import pytest
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 from test_kernels import np_dequant
 
-from mlx_dq import kernels
-from mlx_dq.mixed import (
+from mlx_dq.layers import kernels
+from mlx_dq.layers.mixed import (
     MixedEmbedding,
     MixedLinear,
     MixedSwitchLinear,
     empty_mixed_layer,
     mixed_layer_from_quantized,
 )
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import quantize_weight
+from mlx_dq.quant.affine import quantize_weight
+from mlx_dq.quant.options import QuantOption
 
 OPTIONS = [
     "0.1:4b_32g/0.9:3b_32g",

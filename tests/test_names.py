@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_dq.names import default_bits_group, in_head_scope, layer_index, role_of, split_layer
+from mlx_dq.names import (
+    default_bits_group,
+    in_head_scope,
+    layer_index,
+    role_of,
+    split_layer,
+)
 
 
 @pytest.mark.parametrize("path,expected", [
@@ -25,7 +31,8 @@ def test_other_containers_on_request():
 
 
 def test_one_role_classifier_for_grids_and_measurement_files():
-    from mlx_dq import grids, measurement
+    from mlx_dq.measure import grids
+    from mlx_dq.measure import records as measurement
 
     assert grids.role_of is role_of and measurement.role_of is role_of
     assert role_of("transformer.word_embeddings") == "embed_head"

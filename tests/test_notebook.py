@@ -8,10 +8,10 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-
-from mlx_dq.measurement import save_measurement
 from seeds import seed_path
 from test_plots import QUALITY_ROWS, _write_quality, synthetic_measurement
+
+from mlx_dq.measure.records import save_measurement
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "sensitivity.ipynb"

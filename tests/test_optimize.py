@@ -9,9 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from seeds import seed_path  # noqa: E402
 
-from mlx_dq.measurement import JointGroup, JointOption, Measurement, OptionRecord, TensorRecord, load_measurement
-from mlx_dq.optimize import (
+from mlx_dq.measure.records import (
+    JointGroup,
+    JointOption,
+    Measurement,
+    OptionRecord,
+    TensorRecord,
+    load_measurement,
+)
+from mlx_dq.plan.optimize import (
     dynamic_quant_threshold,
     greedy_single_pass,
     load_plan,
@@ -19,9 +27,8 @@ from mlx_dq.optimize import (
     plan_to_mlx_config,
     save_plan,
 )
-from mlx_dq.options import QuantOption
+from mlx_dq.quant.options import QuantOption
 
-from seeds import seed_path  # noqa: E402
 UNIFORM = [QuantOption.uniform(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
 MIXED = [QuantOption.parse(d) for d in ("0.1:4b_32g/0.9:3b_32g", "0.25:6b_64g/0.75:4b_64g", "0.5:3b_128g/0.5:2b_128g")]
 
@@ -320,7 +327,7 @@ def test_joint_members_are_ordered_by_damage_at_the_plans_error_power() -> None:
     """A joint member's own damage (the keep rule's tie order) uses the optimizer's ``err_power``, not 2."""
     from types import SimpleNamespace
 
-    from mlx_dq.optimize import _member_sensitivity
+    from mlx_dq.plan.optimize import _member_sensitivity
 
     rec = SimpleNamespace(importance=3.0, options=[SimpleNamespace(err=0.5, damage=None, bpw=3.5),
                                                    SimpleNamespace(err=0.1, damage=None, bpw=5.5)])

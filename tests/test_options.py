@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mlx_dq.options import QuantOption, Segment, perm_bits
+from mlx_dq.quant.options import QuantOption, Segment, perm_bits
 
 # descriptions as they appear in ExLlamaV2 measurement files
 EXL2_DESCS = [
@@ -90,7 +90,7 @@ def test_storage_bits_counts_codes_scales_and_permutation() -> None:
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from mlx_dq.grids import ROLES, grid_names, load_grid, options_for, role_of  # noqa: E402
+from mlx_dq.measure.grids import ROLES, grid_names, load_grid, options_for, role_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

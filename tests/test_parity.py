@@ -1,6 +1,6 @@
 """One pipeline, whatever the entry point: CLI == Python API, and measuring uses the converter's quantizer.
 
-- ``mlx_dq convert`` and :func:`mlx_dq.convert.convert` with the same settings
+- ``mlx_dq convert`` and :func:`mlx_dq.conversion.pipeline.convert` with the same settings
   write byte-identical folders (timing fields aside), defaults included: both
   take them from :mod:`mlx_dq.settings` (the measurement convert makes uses its
   32 rows from either side).
@@ -19,16 +19,15 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mlx_dq import calib as calib_mod
-from mlx_dq.cli import main
-from mlx_dq.convert import convert
-from mlx_dq.measure import measure, strip_timing
-from mlx_dq.optimize import optimize
-from mlx_dq.options import QuantOption
-from mlx_dq.quantize import StreamOptions, quantize_stream
-from mlx_dq.sources import resolve
-from mlx_dq.writer import tensor_arrays, tensor_record
-
+from mlx_dq.cli.commands import main
+from mlx_dq.conversion.pipeline import convert
+from mlx_dq.conversion.writer import tensor_arrays, tensor_record
+from mlx_dq.data import calib as calib_mod
+from mlx_dq.measure.stream import measure, strip_timing
+from mlx_dq.model.sources import resolve
+from mlx_dq.plan.optimize import optimize
+from mlx_dq.quant.dispatch import StreamOptions, quantize_stream
+from mlx_dq.quant.options import QuantOption
 
 
 def _files(folder: Path) -> dict[str, bytes]:

@@ -111,7 +111,7 @@ def test_unknown_text_is_refused(quality, tmp_path):
 
 
 def test_plots_read_one_text_of_a_multi_text_table(tmp_path):
-    from mlx_dq import plots
+    from mlx_dq.evaluation import plots
 
     path = tmp_path / "q.csv"
     with path.open("w", newline="") as f:

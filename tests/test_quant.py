@@ -9,8 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dq.options import VALID_BITS, VALID_GROUPS, QuantOption, Segment
-from mlx_dq.quant import (
+from mlx_dq.quant.affine import (
     QuantizedTensor,
     act_order,
     affine_codes,
@@ -23,6 +22,7 @@ from mlx_dq.quant import (
     unpack_codes,
     weight_error,
 )
+from mlx_dq.quant.options import VALID_BITS, VALID_GROUPS, QuantOption, Segment
 
 BITS_GROUPS = list(itertools.product(VALID_BITS, VALID_GROUPS))
 
@@ -365,7 +365,7 @@ def test_clip_search_reproduces_an_existing_min_max_grid() -> None:
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_float32_rounding_matches_casts(dtype: mx.Dtype) -> None:
-    from mlx_dq.quant import _round_to
+    from mlx_dq.quant.affine import _round_to
 
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_t(4, 20000) * 0.02, rng.uniform(-1e-4, 1e-4, 20000), rng.uniform(-6e4, 6e4, 2000)])
@@ -386,7 +386,7 @@ def _gguf_weight(path, name: str) -> mx.array:
 
 @pytest.mark.slow
 def test_real_weights_clip_gain_and_grid_order(bundled_gguf) -> None:
-    from mlx_dq.grids import load_grid
+    from mlx_dq.measure.grids import load_grid
 
     down = _gguf_weight(bundled_gguf, "blk.3.ffn_down")  # [576, 1536]
     for bits in (2, 3):
@@ -415,7 +415,7 @@ def test_bfloat16_scales_round_trip(tmp_path) -> None:
 def test_error_sums_stay_exact_beyond_float32_running_sums():
     """Sums of millions of terms (a head's row block, a layer's outputs) are taken by rows, then in double
     precision: MLX's CPU full reduction keeps one float32 running sum, which stops at 2^24 times a term."""
-    from mlx_dq.quant import exact_sums, output_error_sums
+    from mlx_dq.quant.affine import exact_sums, output_error_sums
 
     ones = mx.ones((2000, 10000))
     assert exact_sums(ones, 2 * ones) == (20_000_000.0, 40_000_000.0)
@@ -433,7 +433,7 @@ def test_error_sums_stay_exact_beyond_float32_running_sums():
 def test_large_tensors_dequantize_by_row_blocks_to_the_same_values(desc, monkeypatch):
     """Above DEQUANT_BLOCK_WEIGHTS a tensor is dequantized a block of rows at a time into one array: the same
     values as in one piece, for uniform and mixed (permuted) tensors, with less memory at its peak."""
-    from mlx_dq import quant as quant_mod
+    from mlx_dq.quant import affine as quant_mod
 
     rng = np.random.default_rng(11)
     w = mx.array(rng.standard_normal((200, 256)).astype(np.float32))
@@ -460,7 +460,7 @@ def test_large_tensors_dequantize_by_row_blocks_to_the_same_values(desc, monkeyp
 def test_sampled_rows_of_a_quantized_tensor_dequantize_alone(desc):
     """``rows`` with an array of row indices takes those rows' codes (and known row errors): dequantized alone they
     equal the same rows of the whole tensor, so a meter reading a row sample need not dequantize every row."""
-    from mlx_dq.gptq import gptq_quantize
+    from mlx_dq.quant.gptq import gptq_quantize
 
     rng = np.random.default_rng(12)
     w = mx.array(rng.standard_normal((120, 256)).astype(np.float32))

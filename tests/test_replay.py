@@ -10,10 +10,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-import mlx_dq.measure as measure_mod
-from mlx_dq.options import QuantOption
-from mlx_dq.quant import quantize_weight
-from mlx_dq.replay import record_calls, replay
+import mlx_dq.measure.stream as measure_mod
+from mlx_dq.model.replay import record_calls, replay
+from mlx_dq.quant.affine import quantize_weight
+from mlx_dq.quant.options import QuantOption
 
 CALLS: Counter = Counter()
 
@@ -163,7 +163,7 @@ def _layer(model_type: str):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_residual_importance_is_that_of_full_reruns(model_type, monkeypatch):
-    from mlx_dq.capture import quantizable_modules
+    from mlx_dq.model.capture import quantizable_modules
 
     layer, h, call = _layer(model_type)
     mods = quantizable_modules(layer, "layers.0.")

@@ -13,14 +13,22 @@ import pytest
 from click.testing import CliRunner
 
 import mlx_dq
-from mlx_dq import evaluate
-from mlx_dq.cli import main
-from mlx_dq.convert import convert, quantize_model
-from mlx_dq.options import QuantOption
-from mlx_dq.plans import planned_row_splits, row_splits, with_row_splits
-from mlx_dq.rowsplit import (ID_BITS, HotRows, RowSplitEmbedding, extra_bits, hot_counts, hot_ids, rows_worth_it,
-                             stepped_up)
-from mlx_dq.optimize import Plan, PlanEntry
+from mlx_dq.cli.commands import main
+from mlx_dq.conversion.pipeline import convert, quantize_model
+from mlx_dq.conversion.resolve import planned_row_splits, row_splits, with_row_splits
+from mlx_dq.evaluation import metrics as evaluate
+from mlx_dq.layers.rowsplit import RowSplitEmbedding
+from mlx_dq.plan.optimize import Plan, PlanEntry
+from mlx_dq.quant.options import QuantOption
+from mlx_dq.quant.rowsplit import (
+    ID_BITS,
+    HotRows,
+    extra_bits,
+    hot_counts,
+    hot_ids,
+    rows_worth_it,
+    stepped_up,
+)
 
 CALIB = {"rows": 4, "seq_len": 32, "progress": False}
 TOKENS = mx.array([[1, 5, 9, 17, 33, 65, 2, 7]])

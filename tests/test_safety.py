@@ -13,13 +13,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-
 from fixtures_models import make_tiny_model_folder
-from mlx_dq.cli import main
-from mlx_dq.convert import plan_from_options
-from mlx_dq.measure import measure
-from mlx_dq.optimize import save_plan
-from mlx_dq.sources import resolve
+
+from mlx_dq.cli.commands import main
+from mlx_dq.conversion.pipeline import plan_from_options
+from mlx_dq.measure.stream import measure
+from mlx_dq.model.sources import resolve
+from mlx_dq.plan.optimize import save_plan
 
 GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "0.5:4b_32g/0.5:3b_64g", "1.0:8b_64g"]}
 CALIB = ["--rows", "4", "--seq-len", "32", "--method", "rtn", "--no-clip"]
@@ -62,8 +62,8 @@ def work(tmp_path_factory) -> dict[str, Path]:
 
 
 def _plan_file(folder: Path, path: Path, desc: str = "1.0:4b_64g") -> Path:
-    from mlx_dq.capture import quantizable_modules
-    from mlx_dq.sources import build_model
+    from mlx_dq.model.capture import quantizable_modules
+    from mlx_dq.model.sources import build_model
 
     src = resolve(str(folder))
     mods = quantizable_modules(build_model(src.config))
@@ -282,21 +282,21 @@ def test_partial_folders_of_killed_conversions_are_cleaned(work, tmp_path):
                          + [(["--bpw", "4", "--keep", "model.layers.9.*"], "keep pattern"),
                             (["--bpw", "4", "--head-option", "1.0:4b_100g"], "head-option")])
 def test_impossible_arguments_are_refused_before_any_work(work, tmp_path, monkeypatch, args, needle):
-    import mlx_dq.measure
+    import mlx_dq.measure.stream
 
     def no_measuring(*a, **k):
         raise AssertionError("measured before checking the arguments")
 
-    monkeypatch.setattr(mlx_dq.measure, "measure", no_measuring)
+    monkeypatch.setattr(mlx_dq.measure.stream, "measure", no_measuring)
     r = cli("convert", "--model", work["llama"], *args, "-o", tmp_path / "o", *CALIB)
     assert_clean_error(r, needle)
     assert not (tmp_path / "o").exists()
 
 
 def test_bpw_outside_the_measurements_range_is_refused_before_quantizing(work, tmp_path, monkeypatch):
-    import mlx_dq.convert
+    import mlx_dq.conversion.pipeline
 
-    monkeypatch.setattr(mlx_dq.convert, "quantize_stream", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(mlx_dq.conversion.pipeline, "quantize_stream", lambda *a, **k: (_ for _ in ()).throw(
         AssertionError("quantized before checking the arguments")))
     r = cli("convert", "--model", work["llama"], "--measurement", work["m_llama"], "--bpw", "12",
             "-o", tmp_path / "o", *CALIB)
@@ -411,7 +411,7 @@ def test_generate_loads_through_mlx_dq_and_never_runs_folder_code(mixed_folder, 
 
 
 def test_exl2_measurement_says_what_it_cannot_check_and_leaves_out(work, tmp_path):
-    from mlx_dq.measurement import exl2_storage_bits
+    from mlx_dq.measure.records import exl2_storage_bits
 
     doc = json.loads(work["m_llama"].read_text())
     records = []

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
 import pytest
-
 from fixtures_models import random_weights, save_tokenizer, tiny_config
-from mlx_dq import measure as measure_mod
-from mlx_dq.measure import measure
+from mlx.utils import tree_flatten, tree_map
+
+from mlx_dq.measure import stream as measure_mod
+from mlx_dq.measure.stream import measure
 
 GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "1.0:8b_64g"]}
 BIG_VOCAB = 2048  # > the tokenizer's 320: rows only use the first ids, the head still has every row
@@ -115,7 +114,7 @@ def test_chunked_head_equals_one_piece(big_vocab, grid_file, monkeypatch, kind):
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_head_in_row_blocks_equals_one_piece(big_vocab, grid_file, monkeypatch, kind):
     """Embedding and head options quantized and metered in blocks of rows give the one-piece measurement."""
-    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.quant import dispatch as quantize_mod
 
     whole = _run(big_vocab[kind], grid_file)
     blocks_seen = []
@@ -157,7 +156,7 @@ def test_head_in_row_blocks_equals_one_piece(big_vocab, grid_file, monkeypatch, 
 def _head_model(tmp_path: Path, model_type: str):
     """A one-layer model with a 700-token vocabulary (tied for Gemma, whose logits are soft-capped), tokens, final
     hidden states and the module that makes the logits."""
-    from mlx_dq.sources import resolve
+    from mlx_dq.model.sources import resolve
 
     cfg = tiny_config(model_type, 1, tie=model_type != "llama")
     cfg["vocab_size"] = 700
@@ -179,8 +178,8 @@ def _head_model(tmp_path: Path, model_type: str):
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_head_block_kl_equals_the_swapped_head(tmp_path, model_type):
     """The head's KL summed over blocks of vocabulary rows equals the KL of the whole quantized head swapped in."""
-    from mlx_dq.options import QuantOption
-    from mlx_dq.quant import quantize_weight
+    from mlx_dq.quant.affine import quantize_weight
+    from mlx_dq.quant.options import QuantOption
 
     model, tokens, hidden, mod = _head_model(tmp_path, model_type)
     head = measure_mod._HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
@@ -200,7 +199,7 @@ def test_carried_copies_kl_in_one_pass_equals_each_through_the_head(tmp_path, mo
     """kl_many: the KL of several final hidden states in one pass over blocks of vocabulary rows equals each one's
     KL through the whole head, its reference log-normaliser is the logits' logsumexp, no product has more than
     ``chunk x vocabulary`` logits, and the head's weight is back after it."""
-    from mlx_dq import quantize as quantize_mod
+    from mlx_dq.quant import dispatch as quantize_mod
 
     model, tokens, hidden, mod = _head_model(tmp_path, model_type)
     w = mod.weight
@@ -234,10 +233,10 @@ def test_chunked_tensor_kl_equals_direct(big_vocab):
     """``tensor_kl`` with small head chunks equals the KL computed from whole-model logits."""
     import mlx.nn as nn
 
-    from mlx_dq.capture import quantizable_modules
-    from mlx_dq.options import QuantOption
-    from mlx_dq.quant import quantize_weight
-    from mlx_dq.sources import resolve
+    from mlx_dq.model.capture import quantizable_modules
+    from mlx_dq.model.sources import resolve
+    from mlx_dq.quant.affine import quantize_weight
+    from mlx_dq.quant.options import QuantOption
 
     source = resolve(str(big_vocab["tied"]))
     model = source.model(mx.float32)
@@ -268,7 +267,7 @@ def test_head_chunk_must_be_positive(big_vocab, grid_file):
 def test_row_sample_is_seeded_stratified_and_bounded():
     import numpy as np
 
-    from mlx_dq.measure import output_row_sample
+    from mlx_dq.measure.stream import output_row_sample
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((1000, 64)).astype("float32")
@@ -292,11 +291,11 @@ def test_sampled_rows_error_equals_full_quantization_on_those_rows(method, clip)
     """Rows are independent: the subset's error equals the full quantization's error restricted to those rows."""
     import numpy as np
 
-    from mlx_dq.capture import InputStats
-    from mlx_dq.convert import quantize_tensor
-    from mlx_dq.measure import measure_tensor, output_row_sample
-    from mlx_dq.options import QuantOption
-    from mlx_dq.quant import output_error
+    from mlx_dq.conversion.pipeline import quantize_tensor
+    from mlx_dq.measure.stream import measure_tensor, output_row_sample
+    from mlx_dq.model.capture import InputStats
+    from mlx_dq.quant.affine import output_error
+    from mlx_dq.quant.options import QuantOption
 
     rng = np.random.default_rng(1)
     w = mx.array(rng.standard_normal((300, 128)).astype("float32"))
@@ -339,10 +338,10 @@ def test_measure_records_sample_rows_in_its_settings(big_vocab, grid_file):
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_estimate_matches_a_real_run(big_vocab, grid_file, tmp_path, method):
     """Work counts exactly, MLX memory and disk closely; time is a benchmark's business, not a unit test's."""
-    from mlx_dq.convert import convert
-    from mlx_dq.estimate import BASE_RSS, estimate_convert, estimate_measure
-    from mlx_dq.evaluate import folder_bytes
-    from mlx_dq.sources import resolve
+    from mlx_dq.conversion.estimate import BASE_RSS, estimate_convert, estimate_measure
+    from mlx_dq.conversion.pipeline import convert
+    from mlx_dq.evaluation.metrics import folder_bytes
+    from mlx_dq.model.sources import resolve
 
     folder = big_vocab["untied"]
     src = resolve(str(folder))
@@ -371,7 +370,7 @@ def test_estimate_matches_a_real_run(big_vocab, grid_file, tmp_path, method):
 def test_estimate_cli_prints_and_does_no_work(big_vocab, tmp_path):
     from click.testing import CliRunner
 
-    from mlx_dq.cli import main
+    from mlx_dq.cli.commands import main
 
     r = CliRunner().invoke(main, ["convert", "--model", str(big_vocab["untied"]), "--bpw", "3.5", "-o",
                                   str(tmp_path / "q"), "--estimate", "--flops", "1e10"])
@@ -388,7 +387,7 @@ def test_estimate_cli_prints_and_does_no_work(big_vocab, tmp_path):
 
 
 def test_summary_line_says_time_memory_disk_and_warns_when_memory_is_short():
-    from mlx_dq.estimate import Estimate, summary_line
+    from mlx_dq.conversion.estimate import Estimate, summary_line
 
     parts = [Estimate("measure", seconds=600.0, peak_bytes=3 * 2**30, disk_bytes=2**20),
              Estimate("convert", seconds=300.0, peak_bytes=2 * 2**30, disk_bytes=59 * 2**20)]
@@ -404,10 +403,9 @@ def test_convert_and_measure_say_their_cost_before_working(big_vocab, grid_file,
     """One stderr line before any work: the predicted time and memory (a warning when memory is short)."""
     from click.testing import CliRunner
 
-    from mlx_dq import convert as convert_mod
-    from mlx_dq import estimate as estimate_mod
-    from mlx_dq.cli import main
-
+    from mlx_dq.cli.commands import main
+    from mlx_dq.conversion import estimate as estimate_mod
+    from mlx_dq.conversion import pipeline as convert_mod
     from mlx_dq.errors import InputError
 
     def stop(*a, **k):  # the run itself is not this test's business
@@ -437,10 +435,10 @@ def test_convert_and_measure_say_their_cost_before_working(big_vocab, grid_file,
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_converter_head_gram_is_that_of_the_final_normed_states(big_vocab, monkeypatch, kind):
     """The head's Gram (taken without evaluating any logits) is X^T X of the normed final hidden states."""
-    from mlx_dq import quantize as quantize_mod
-    from mlx_dq.calib import calibration_rows
-    from mlx_dq.options import QuantOption
-    from mlx_dq.sources import resolve
+    from mlx_dq.data.calib import calibration_rows
+    from mlx_dq.model.sources import resolve
+    from mlx_dq.quant import dispatch as quantize_mod
+    from mlx_dq.quant.options import QuantOption
 
     src = resolve(str(big_vocab[kind]))
     _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
@@ -469,11 +467,11 @@ def test_converter_head_gram_is_that_of_the_final_normed_states(big_vocab, monke
 @pytest.mark.parametrize("desc", ["1.0:3b_64g", "0.25:4b_32g/0.75:2b_64g", "fp16"])
 def test_written_error_in_row_blocks_equals_one_piece(monkeypatch, desc):
     """The converter's recorded output error of a large tensor, taken block by block of rows, is the whole one's."""
-    from mlx_dq import quantize as quantize_mod
-    from mlx_dq import writer
-    from mlx_dq.options import QuantOption
-    from mlx_dq.quant import output_error
-    from mlx_dq.quantize import quantize_tensor
+    from mlx_dq.conversion import writer
+    from mlx_dq.quant import dispatch as quantize_mod
+    from mlx_dq.quant.affine import output_error
+    from mlx_dq.quant.dispatch import quantize_tensor
+    from mlx_dq.quant.options import QuantOption
 
     rng = np.random.default_rng(2)
     w = mx.array(rng.standard_normal((600, 128)).astype("float32"))
@@ -535,10 +533,10 @@ def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file
 @pytest.mark.parametrize("kind", ["untied", "tied"])
 def test_converter_releases_embedding_and_head_through_the_layers(big_vocab, monkeypatch, kind):
     """The conversion holds no embedding or head while it quantizes the layers; the result is the same."""
-    from mlx_dq import quantize as quantize_mod
-    from mlx_dq.calib import calibration_rows
-    from mlx_dq.options import QuantOption
-    from mlx_dq.sources import resolve
+    from mlx_dq.data.calib import calibration_rows
+    from mlx_dq.model.sources import resolve
+    from mlx_dq.quant import dispatch as quantize_mod
+    from mlx_dq.quant.options import QuantOption
 
     src = resolve(str(big_vocab[kind]))
     _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
@@ -585,11 +583,11 @@ def test_converter_releases_embedding_and_head_through_the_layers(big_vocab, mon
 def test_embedding_pass_loads_no_untied_head(big_vocab, grid_file, monkeypatch, kind):
     """Embedding the rows (measure and convert) reads the embedding but not an untied head, which the pass never
     calls; the first hidden states equal those made with everything outside the layers loaded."""
-    from mlx_dq import quantize as quantize_mod
-    from mlx_dq.calib import calibration_rows
-    from mlx_dq.options import QuantOption
-    from mlx_dq.runner import LayerRunner
-    from mlx_dq.sources import ModelSource, resolve
+    from mlx_dq.data.calib import calibration_rows
+    from mlx_dq.model.runner import LayerRunner
+    from mlx_dq.model.sources import ModelSource, resolve
+    from mlx_dq.quant import dispatch as quantize_mod
+    from mlx_dq.quant.options import QuantOption
 
     src = resolve(str(big_vocab[kind]))
     _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
@@ -627,7 +625,7 @@ def test_shard_writer_streams_arrays_to_disk(tmp_path):
     limit; each array's bytes are on disk when added (memory holds none of a shard); a name written twice fails."""
     from safetensors import safe_open
 
-    from mlx_dq.writer import ShardWriter
+    from mlx_dq.conversion.writer import ShardWriter
 
     rng = np.random.default_rng(0)
     arrays = {"a.weight": mx.array(rng.integers(0, 2**32, (7, 5), dtype=np.uint32)),
@@ -671,9 +669,9 @@ def test_conversion_drops_each_layer_before_the_next(big_vocab, tmp_path, monkey
     import gc
     import weakref
 
-    from mlx_dq import quantize as quantize_mod
-    from mlx_dq.convert import convert
-    from mlx_dq.runner import LayerRunner
+    from mlx_dq.conversion.pipeline import convert
+    from mlx_dq.model.runner import LayerRunner
+    from mlx_dq.quant import dispatch as quantize_mod
 
     refs: list = []
     alive: list[int] = []
@@ -711,11 +709,11 @@ def test_output_energy_is_the_gram_form_and_the_record_keeps_its_error(big_vocab
     """A linear layer's recorded output energy per row equals ``w_i G w_i^T`` (biases removed: the tied model is a
     qwen2 with q/k/v biases), and a conversion that takes its records' reference sums from it writes the same
     errors as one that multiplies them out against the Gram."""
-    from mlx_dq import capture as capture_mod
-    from mlx_dq.calib import calibration_rows
-    from mlx_dq.convert import convert
-    from mlx_dq.runner import LayerRunner
-    from mlx_dq.sources import resolve
+    from mlx_dq.conversion.pipeline import convert
+    from mlx_dq.data.calib import calibration_rows
+    from mlx_dq.model import capture as capture_mod
+    from mlx_dq.model.runner import LayerRunner
+    from mlx_dq.model.sources import resolve
 
     src = resolve(str(big_vocab[kind]))
     _, tokens = calibration_rows(src.tokenizer(), None, 3, 40, 0)
@@ -734,7 +732,7 @@ def test_output_energy_is_the_gram_form_and_the_record_keeps_its_error(big_vocab
 
     recipe = {"model.layers.0.mlp.down_proj": "1.0:3b_64g", "model.layers.0.self_attn.q_proj": "0.5:4b_32g/0.5:3b_32g",
               "model.layers.0.mlp.up_proj": "1.0:4b_64g"}
-    from mlx_dq import writer as writer_mod
+    from mlx_dq.conversion import writer as writer_mod
 
     errs, products = {}, {True: 0, False: 0}
     orig_sums = writer_mod.exact_sums
@@ -758,7 +756,7 @@ def test_output_energy_is_the_gram_form_and_the_record_keeps_its_error(big_vocab
 def test_row_sample_from_recorded_energies(big_vocab, grid_file, monkeypatch):
     """The stratified row sample drawn from the forward's recorded output energies is the one the Gram gives,
     and the measurer uses them (no Gram product per tensor) with the same results."""
-    from mlx_dq.measure import output_row_sample
+    from mlx_dq.measure.stream import output_row_sample
 
     rng = np.random.default_rng(1)
     x = rng.normal(size=(300, 48)).astype(np.float32)
@@ -785,7 +783,7 @@ def test_row_sample_from_recorded_energies(big_vocab, grid_file, monkeypatch):
 def test_error_meter_takes_its_reference_from_given_energies(monkeypatch):
     """Given the rows' energies, the error meter's reference sum is theirs (the head computes them once for its
     sample and every meter), equal to the Gram product it no longer makes; the weight sums are unchanged."""
-    from mlx_dq.measure import _ErrorMeter, output_energies
+    from mlx_dq.measure.stream import _ErrorMeter, output_energies
 
     rng = np.random.default_rng(2)
     x = rng.normal(size=(200, 48)).astype(np.float32)
@@ -811,7 +809,7 @@ def test_looked_up_rows_are_swapped_in_place_and_back():
     restores them, also when the probe fails; a 16-bit table gets a changed copy and then its own array back."""
     import mlx.nn as nn
 
-    from mlx_dq.measure import _rows_swapped
+    from mlx_dq.measure.stream import _rows_swapped
 
     emb = nn.Embedding(50, 8)
     emb.weight = mx.random.normal((50, 8), key=mx.random.key(0))
@@ -838,10 +836,10 @@ def test_consumed_gram_measures_the_same():
     """A tensor whose Gram is its own (``consume_gram``) is measured with the Gram's buffer turned into the Hessian
     factor: the same record and kept weight as with the Gram kept beside its factor; the collector's stats then hold
     the stand-in, and a Gram shared with another tensor, or an option the factor cannot serve, is left alone."""
-    from mlx_dq.capture import InputStats
-    from mlx_dq.gptq import FactoredGram
-    from mlx_dq.measure import measure_tensor, output_energies
-    from mlx_dq.options import QuantOption
+    from mlx_dq.measure.stream import measure_tensor, output_energies
+    from mlx_dq.model.capture import InputStats
+    from mlx_dq.quant.gptq import FactoredGram
+    from mlx_dq.quant.options import QuantOption
 
     rng = np.random.default_rng(4)
     x = rng.normal(size=(512, 128)).astype(np.float32)
@@ -873,9 +871,9 @@ def test_converter_consumes_a_tensors_own_gram_with_the_same_output(big_vocab, t
     """The converter turns the Gram of a tensor with its own input (``down_proj``, ``o_proj``) into its Hessian
     factor in place, and not a Gram that q/k/v or gate/up share: the written tensors and records are the same as
     with every Gram kept beside its factor."""
-    from mlx_dq import quantize as quantize_mod
-    from mlx_dq.convert import convert
+    from mlx_dq.conversion.pipeline import convert
     from mlx_dq.names import MANIFEST_NAME
+    from mlx_dq.quant import dispatch as quantize_mod
 
     consumed: list[tuple[int, ...]] = []
     orig = quantize_mod.consume_gram
@@ -903,13 +901,14 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     quantized (half their memory), and every record and written tensor equals those of the same weights stored in
     float32: every step reads them in float32, which holds bfloat16 values exactly. With ``block_bytes`` every
     16-bit product of more than 128 x 128 weights is taken 128 output rows (64 of 256 inputs) at a time
-    (:func:`~mlx_dq.runner.half_linear`), with the same results."""
+    (:func:`~mlx_dq.model.runner.half_linear`), with the same results."""
     import shutil
 
     from fixtures_models import make_tiny_model_folder
-    from mlx_dq import runner as runner_mod
-    from mlx_dq.convert import convert
-    from mlx_dq.runner import LayerRunner
+
+    from mlx_dq.conversion.pipeline import convert
+    from mlx_dq.model import runner as runner_mod
+    from mlx_dq.model.runner import LayerRunner
 
     if block_bytes is not None:
         monkeypatch.setattr(runner_mod, "HALF_BLOCK_BYTES", block_bytes)
@@ -969,8 +968,8 @@ def test_a_16bit_source_is_measured_and_converted_as_its_float32_copy(grid_file,
     assert outside[str(b16)] == {("model.embed_tokens", "mlx.core.float32"),  # float32 only to embed the rows
                                  ("model.embed_tokens", "mlx.core.bfloat16"), ("lm_head", "mlx.core.bfloat16")}
     assert {d for _, d in outside[str(f32)]} == {"mlx.core.float32"}
-    from mlx_dq.estimate import _held_bytes
-    from mlx_dq.sources import resolve
+    from mlx_dq.conversion.estimate import _held_bytes
+    from mlx_dq.model.sources import resolve
 
     held = {n: _held_bytes(resolve(str(tmp_path / n)), untied=True) for n in ("b16", "f32")}
     assert held == {"b16": (2, 2), "f32": (4, 4)}  # the estimate counts a 16-bit layer and head at 2 bytes a weight
@@ -987,7 +986,7 @@ def test_large_gram_grows_in_its_own_buffer_in_the_one_process_order(monkeypatch
     """A Gram larger than GRAM_CHUNK_BYTES is added to in place, its product a block of columns at a time (no
     second k x k array): the sums equal X^T X, the buffer is the same array throughout, and folding each batch's
     own Gram in order (as ranks do) gives the same bits as adding every batch to one running Gram."""
-    from mlx_dq import capture
+    from mlx_dq.model import capture
 
     monkeypatch.setattr(capture, "GRAM_CHUNK_BYTES", 4 * 96 * 10)  # 10 columns of a 96-channel input at a time
     rng = np.random.default_rng(7)
@@ -1012,7 +1011,7 @@ def test_half_linear_products_by_row_blocks_equal_the_whole_product(monkeypatch,
     """A 16-bit linear layer over the block size meets a float32 input a block of output rows at a time, with the
     whole product's values bit for bit, evaluated block by block (no whole float32 copy of the weight) or lazily
     inside ``lazy_products``; other inputs, weights and module kinds are left to the module's own call."""
-    from mlx_dq import runner as runner_mod
+    from mlx_dq.model import runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "HALF_BLOCK_BYTES", 4 * 256 * 100)  # 64 rows of a 256-input weight (a multiple)
     lin = nn.Linear(256, 1500, bias=bias)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from mlx_dq.capture import quantizable_modules
-from mlx_dq.convert import convert
-from mlx_dq.sources import build_model, resolve
+from mlx_dq.conversion.pipeline import convert
+from mlx_dq.model.capture import quantizable_modules
+from mlx_dq.model.sources import build_model, resolve
 
 START_TIMEOUT_S = 120
 REQUEST_TIMEOUT_S = 120

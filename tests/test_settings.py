@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from mlx_dq.cli import main
+from mlx_dq.cli.commands import main
 from mlx_dq.settings import MeasureSettings, PlanSettings, QuantizeSettings
 
 # CLI flags that state a setting negatively, and values the CLI spells its own way
@@ -57,8 +57,8 @@ def test_the_check_would_see_a_disagreeing_default(monkeypatch):
 
 
 def test_library_functions_take_their_defaults_from_the_settings():
-    from mlx_dq import convert as conv
-    from mlx_dq import measure as meas
+    from mlx_dq.conversion import pipeline as conv
+    from mlx_dq.measure import stream as meas
 
     assert meas.DEFAULT_ROWS == MeasureSettings().rows and conv.DEFAULT_ROWS == QuantizeSettings().rows == 32
     assert QuantizeSettings().measure_defaults()["rows"] == QuantizeSettings().rows  # convert measures with its rows

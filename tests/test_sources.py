@@ -12,13 +12,13 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
+from fixtures_models import make_tiny_model_folder, tiny_tokenizer
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
-from fixtures_models import make_tiny_model_folder, tiny_tokenizer
-from mlx_dq.sources import ModelSource, build_model, load_model, resolve
+from mlx_dq.model.sources import ModelSource, build_model, load_model, resolve
 
 TEXT = "the quick brown fox said hello to the lazy dog"
 
@@ -61,7 +61,7 @@ def test_sharded_folder_equals_single_file(tmp_path):
 def test_large_16bit_tensors_are_read_into_float32_by_rows(dtype, tmp_path, monkeypatch):
     """A large 2-D 16-bit tensor goes into float32 a block of rows at a time (no whole 16-bit copy beside it), with
     the values a plain cast gives, sharded or not; ``as_stored`` names keep their 16-bit dtype."""
-    from mlx_dq import sources as sources_mod
+    from mlx_dq.model import sources as sources_mod
 
     read: list[str] = []
     orig = sources_mod._SafetensorsWeights.float32_by_rows
@@ -155,7 +155,7 @@ def test_nested_rope_parameters_are_lifted(tmp_path):
 
 def test_hub_id_offline_fails_fast_naming_the_id(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    code = "from mlx_dq.sources import resolve; resolve('someorg/tiny-missing-model')"
+    code = "from mlx_dq.model.sources import resolve; resolve('someorg/tiny-missing-model')"
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - start
@@ -175,7 +175,7 @@ def test_hub_id_served_from_local_cache_when_offline(tmp_path, tiny_llama):
     shutil.copytree(tiny_llama, repo / "snapshots" / commit)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     code = (
-        "from mlx_dq.sources import resolve; s = resolve('someorg/tiny-llama'); "
+        "from mlx_dq.model.sources import resolve; s = resolve('someorg/tiny-llama'); "
         "print(s.kind, s.config['model_type'], len(s.weight_names()), s.path.name)"
     )
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

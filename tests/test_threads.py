@@ -13,11 +13,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dq import threads
-from mlx_dq.convert import convert
-from mlx_dq.measure import measure, strip_timing
-from mlx_dq.measurement import measurement_to_json
-from mlx_dq.threads import thread_map, workers
+from mlx_dq.conversion.pipeline import convert
+from mlx_dq.measure.records import measurement_to_json
+from mlx_dq.measure.stream import measure, strip_timing
+from mlx_dq.runtime import threads
+from mlx_dq.runtime.threads import thread_map, workers
 
 
 def test_thread_map_keeps_order_and_takes_lazy_inputs():
@@ -88,7 +88,7 @@ def test_thread_map_starts_the_costliest_first():
 def test_results_arrays_are_found_inside_nested_objects():
     from dataclasses import dataclass
 
-    from mlx_dq.threads import _arrays
+    from mlx_dq.runtime.threads import _arrays
 
     @dataclass
     class Inner:
@@ -143,7 +143,7 @@ def test_a_failed_item_is_raised_after_the_running_ones_finish():
 
 def test_a_script_using_the_workers_exits_cleanly():
     """Each worker clears its MLX streams before it ends; without that, short scripts aborted at exit (status 134)."""
-    script = ("import numpy as np\nfrom mlx_dq.gptq import choose_group_params\n"  # 4 row chunks on the workers
+    script = ("import numpy as np\nfrom mlx_dq.quant.gptq import choose_group_params\n"  # 4 row chunks on the workers
               "w = np.random.default_rng(0).standard_normal((1, 4096, 16, 64)).astype(np.float32)\n"
               "print(choose_group_params(w, 4, weight=np.ones((1, 1, 16, 64), np.float32))[0].shape[1])\n")
     for _ in range(3):  # the abort was not every time (4 runs in 6)

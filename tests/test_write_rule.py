@@ -16,13 +16,13 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from cli_checks import cli, one_error_line
 from fixtures_models import make_tiny_model_folder
-from mlx_dq.convert import plan_from_options
-from mlx_dq.measure import measure
-from mlx_dq.optimize import save_plan
-from mlx_dq.sources import resolve
+
+from mlx_dq.conversion.pipeline import plan_from_options
+from mlx_dq.measure.stream import measure
+from mlx_dq.model.sources import resolve
+from mlx_dq.plan.optimize import save_plan
 
 GRID = {"default": ["1.0:2b_64g", "1.0:4b_64g", "1.0:8b_64g"]}
 CALIB = ["--rows", "4", "--seq-len", "32", "--method", "rtn", "--no-clip"]
@@ -46,8 +46,8 @@ def tree(tmp_path_factory) -> dict[str, Path]:
     calib.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 200)
     measure(str(src), out_path=root / "m.json", grid=str(root / "grid.json"), calib=str(calib), rows=4, seq_len=32,
             clip=False, method="rtn", kl_scale=False, progress=False)
-    from mlx_dq.capture import quantizable_modules
-    from mlx_dq.sources import build_model
+    from mlx_dq.model.capture import quantizable_modules
+    from mlx_dq.model.sources import build_model
 
     source = resolve(str(src))
     save_plan(plan_from_options({k: "1.0:4b_64g" for k in quantizable_modules(build_model(source.config))}, source),
@@ -175,7 +175,7 @@ def test_case3_import_plan_never_overwrites_the_config_it_read(tree, tmp_path):
 
 def test_case5_a_second_convert_into_the_same_output_stops_naming_the_first(tree, tmp_path, monkeypatch):
     """The first convert is held inside its run; the second, into the same new folder, must refuse."""
-    from mlx_dq import convert as convert_mod
+    from mlx_dq.conversion import pipeline as convert_mod
 
     started, release = threading.Event(), threading.Event()
     real_rows = convert_mod.calib_mod.calibration_rows
@@ -250,7 +250,7 @@ def test_a_link_to_an_earlier_output_is_replaced_without_leftovers(tree, tmp_pat
 
 
 def test_the_command_line_names_flags_and_python_names_arguments(tree, tmp_path):
-    from mlx_dq.convert import convert
+    from mlx_dq.conversion.pipeline import convert
     from mlx_dq.errors import OutputError
 
     out = _fresh_output(tree, tmp_path, "out")

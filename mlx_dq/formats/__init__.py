@@ -4,7 +4,7 @@
 - :mod:`.mlx_kept16`: MLX affine configs with a ``kept_16bit`` list and a ``tensors`` table;
 - :mod:`.dashq`: the output record of the dashq GPTQ-family quantizer (technique flags, results);
 - :mod:`.exl2`: what ExLlamaV2 measurements lack (embedding/head) and how their options map to MLX
-  (the reader itself is :mod:`mlx_dq.measurement`).
+  (the reader itself is :mod:`mlx_dq.measure.records`).
 
 :func:`detect` names the form of any JSON document these modules or mlx-dq itself write;
 :func:`load_plan_any` turns a plan file of any form into a plan for a given model.
@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..names import MANIFEST_SCHEMA
-from .common import read_json
+from mlx_dq.errors import InputError
+from mlx_dq.formats.common import read_json
+from mlx_dq.names import MANIFEST_SCHEMA
 
 FORMS = ("mlx_dq.plan", "mlx_dq.manifest", "mlx_dq.measurement", "exl2_v1", "exl2_v2", "dynquant", "mlx_kept16",
          "dashq")
@@ -27,8 +27,8 @@ FORMS = ("mlx_dq.plan", "mlx_dq.manifest", "mlx_dq.measurement", "exl2_v1", "exl
 
 def detect(data: Any) -> str:
     """The form of a parsed JSON document (one of :data:`FORMS`), or ``"unknown"``."""
-    from ..measurement import detect_format
-    from . import dashq, dynquant, mlx_kept16
+    from mlx_dq.formats import dashq, dynquant, mlx_kept16
+    from mlx_dq.measure.records import detect_format
 
     if not isinstance(data, dict):
         return "unknown"
@@ -51,8 +51,8 @@ def load_plan_any(path: str | Path, source: Any) -> Any:
     Foreign files are mapped onto the model's module names; the plan's ``source`` lists what was
     mapped, what was not (with the reason) and what MLX could not store as is.
     """
-    from ..optimize import load_plan
-    from .common import model_modules
+    from mlx_dq.formats.common import model_modules
+    from mlx_dq.plan.optimize import load_plan
 
     data = read_json(path)
     kind = detect(data)
@@ -60,57 +60,13 @@ def load_plan_any(path: str | Path, source: Any) -> Any:
         return load_plan(path)
     model_type = source.config.get("model_type")
     if kind == "dynquant":
-        from .dynquant import to_plan
+        from mlx_dq.formats.dynquant import to_plan
     elif kind == "mlx_kept16":
-        from .mlx_kept16 import to_plan
+        from mlx_dq.formats.mlx_kept16 import to_plan
     else:
         raise InputError(f"{path}: not a plan: expected an mlx_dq plan, a dynquant manifest or an MLX config with "
                          f"kept_16bit (found a {kind} document)")
     return to_plan(data, model_modules(source), model_type, path=str(path))
-
-
-def describe(path: str | Path) -> str:
-    """A short human-readable account of any file :func:`detect` knows (for ``mlx_dq inspect``)."""
-    from . import dashq, dynquant, mlx_kept16
-
-    data = read_json(path)
-    kind = detect(data)
-    if kind == "dynquant":
-        return dynquant.describe(data)
-    if kind == "mlx_kept16":
-        return mlx_kept16.describe(data)
-    if kind == "dashq":
-        return dashq.describe(data)
-    if kind == "mlx_dq.plan":
-        return _describe_plan(data)
-    if kind in ("exl2_v1", "exl2_v2", "mlx_dq.measurement"):
-        from ..measurement import load_measurement
-
-        m = load_measurement(path)
-        n_opt = sum(len(t.options) for t in m.tensors.values()) + sum(len(g.options) for g in m.groups.values())
-        heads = [k for k, t in m.tensors.items() if t.role in ("embed_head", "embed", "head")]
-        return "\n".join([
-            f"{kind} measurement: {len(m.tensors)} tensors, {len(m.groups)} joint modules, {n_opt} options, "
-            f"{m.numel():,} weights",
-            f"embedding/head measured: {', '.join(heads) if heads else 'no (they are not in this file)'}",
-        ])
-    if kind == "mlx_dq.manifest":
-        from ..report import bit_map
-
-        return bit_map(data)
-    raise InputError(f"{path}: not a file mlx_dq knows (plan, manifest, measurement, dynquant manifest, "
-                     f"MLX config with kept_16bit or dashq record)")
-
-
-def _describe_plan(data: dict) -> str:
-    from collections import Counter
-
-    opts = Counter(e["option"] for e in data.get("tensors", []))
-    lines = [f"mlx_dq plan ({data.get('method')}): {len(data.get('tensors', []))} tensors, "
-             f"target {data.get('target_bpw')} bpw, achieved {data.get('achieved_bpw'):.4f}, "
-             f"all tensors {data.get('total_bpw'):.4f} bpw, kept 16-bit {len(data.get('kept', []))}"]
-    lines += [f"  {n:5d} x {o}" for o, n in opts.most_common()]
-    return "\n".join(lines)
 
 
 def json_kind(path: str | os.PathLike) -> str:

@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ..errors import InputError
-from ..options import VALID_BITS, VALID_GROUPS, QuantOption
+from mlx_dq.errors import InputError
+from mlx_dq.quant.options import VALID_BITS, VALID_GROUPS, QuantOption
 
 # per architecture: (regex on the foreign name, replacement) tried before the generic candidates
 RENAMES: dict[str, list[tuple[str, str]]] = {
@@ -128,8 +128,8 @@ def read_json(path: str | Path) -> Any:
 
 def model_modules(source: Any) -> dict[str, list[int]]:
     """Module path -> weight shape of every quantizable module of a model source (no weights loaded)."""
-    from ..capture import quantizable_modules
-    from ..sources import build_model
+    from mlx_dq.model.capture import quantizable_modules
+    from mlx_dq.model.sources import build_model
 
     return {p: [int(d) for d in m.weight.shape] for p, m in quantizable_modules(build_model(source.config)).items()}
 
@@ -149,7 +149,7 @@ def plan_from_widths(
     else stay 16-bit (listed). The import report (mapped, unmapped, adjusted, unnamed) goes
     into ``plan.source``.
     """
-    from ..optimize import Plan, PlanEntry
+    from mlx_dq.plan.optimize import Plan, PlanEntry
 
     mapped, unmapped = map_names(list(widths), modules, model_type)
     entries, adjusted = [], {}
@@ -207,8 +207,8 @@ def modules_for(spec: str) -> tuple[dict[str, list[int]], str | None]:
 
     Only the configuration is read: no weights are needed to know the embedding's and head's shapes.
     """
-    from ..capture import quantizable_modules
-    from ..sources import build_model, resolve
+    from mlx_dq.model.capture import quantizable_modules
+    from mlx_dq.model.sources import build_model, resolve
 
     p = Path(spec)
     if p.is_file() and p.suffix == ".json":

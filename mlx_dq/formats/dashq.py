@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..errors import InputError
+from mlx_dq.errors import InputError
 
 FORM = "dashq"
 RECORD_SCHEMA = "mlx_dq.record"

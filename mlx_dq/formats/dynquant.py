@@ -15,10 +15,10 @@ import math
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
-from ..errors import InputError
-from ..names import MANIFEST_SCHEMA
-from ..options import QuantOption
-from .common import plan_from_widths
+from mlx_dq.errors import InputError
+from mlx_dq.formats.common import plan_from_widths
+from mlx_dq.names import MANIFEST_SCHEMA
+from mlx_dq.quant.options import QuantOption
 
 FORM = "dynquant"
 SCHEMA = "dynquant_checkpoint_v2"
@@ -121,7 +121,7 @@ def describe(data: Mapping) -> str:
 
 
 def _layer(opt: QuantOption, shape: Sequence[int], dtype: str, nbytes: int | None, clip: Mapping | None) -> dict:
-    from .facts import packing_facts
+    from mlx_dq.formats.facts import packing_facts
 
     pk = packing_facts(opt, shape, dtype)
     rec = {"bits": pk["bits"], "group_size": pk.get("group_size"), "in_features": pk["in_features"],
@@ -143,7 +143,7 @@ def from_ours(doc: Mapping) -> dict:
     Mixed-proportion tensors have no dynquant layout: they are written with their widest
     segment's bits, ``layout: affine_mixed`` and the segment list.
     """
-    from .. import __version__
+    from mlx_dq import __version__
 
     is_manifest = doc.get("schema") == MANIFEST_SCHEMA
     if is_manifest:

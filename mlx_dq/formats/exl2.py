@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from ..errors import InputError
-from ..options import QuantOption
+from mlx_dq.errors import InputError
+from mlx_dq.quant.options import QuantOption
 
 HEAD_NAMES = ("embed_tokens", "lm_head", "wte", "tok_embeddings", "output")
 
@@ -30,7 +30,7 @@ def complete_head(plan: Any, modules: Mapping[str, Sequence[int]], head_option: 
     Returns the keys added. ``total_bpw`` is recomputed over every tensor; the budget scope
     (``achieved_bpw``) is unchanged. The plan's settings record what was done, for reports.
     """
-    from ..optimize import PlanEntry
+    from mlx_dq.plan.optimize import PlanEntry
 
     have = {e.key for e in plan.tensors}
     added = []

@@ -12,8 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..options import QuantOption
-from .common import file_digest
+from mlx_dq.formats.common import file_digest
+from mlx_dq.quant.options import QuantOption
 
 QUANT_METHOD = "mlx_dq"
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
-from ..errors import InputError
-from ..names import MANIFEST_SCHEMA
-from .common import plan_from_widths, strip_weight
+from mlx_dq.errors import InputError
+from mlx_dq.formats.common import plan_from_widths, strip_weight
+from mlx_dq.names import MANIFEST_SCHEMA
 
 FORM = "mlx_kept16"
 
@@ -60,7 +60,7 @@ def describe(data: Mapping) -> str:
 
 def from_ours(doc: Mapping) -> dict:
     """Our plan or manifest in this form (the plan's keep rule, if any, as ``scan``)."""
-    from ..optimize import Plan, PlanEntry, plan_to_mlx_config
+    from mlx_dq.plan.optimize import Plan, PlanEntry, plan_to_mlx_config
 
     if doc.get("format") == "mlx_dq.plan":
         entries = [PlanEntry(**e) for e in doc["tensors"]]

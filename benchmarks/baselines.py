@@ -1,0 +1,263 @@
+"""mlx-lm's own quantization methods, built in memory from a float model for side-by-side comparison.
+
+Every variant is made with mlx-lm's code, nothing re-implemented: uniform affine quantization
+(``mlx_lm.utils.quantize_model``), the ``mixed_*`` recipes (``mlx_lm.convert.mixed_quant_predicate_builder``),
+its calibrated quantizers GPTQ (``mlx_lm.quant.gptq.gptq_quantize``) and AWQ
+(``mlx_lm.quant.awq.awq_quantize``), given our calibration rows directly (their command lines
+download a calibration text), and ``dynamic_quant`` (``mlx_lm.quant.dynamic_quant``: gradient sensitivities, then a threshold
+between two precision levels found by binary search on the bits per weight).
+
+As in an mlx-lm checkpoint, the model is cast to 16-bit before quantizing, so scales and biases
+are 16-bit like mlx-dq's. Bits per weight are counted with :func:`mlx_dq.evaluation.metrics.weight_storage`
+(the same rule for every method). ``dynamic_quant`` normally downloads its calibration text;
+here it is given our calibration rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+UNIFORM_BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+MIXED_RECIPES = ("mixed_3_4", "mixed_3_6", "mixed_4_6")
+MIXED_GROUP_SIZE = 64  # mlx-lm's default group size, used by its recipes when none is given
+# dynamic_quant's command-line defaults: 4-bit g64 low level, 5-bit g64 high level, 5.0 bpw target
+DYNAMIC_LEVELS = (4, 64, 5, 64)
+DYNAMIC_TARGET = 5.0
+# mlx_lm.gptq's command-line defaults: GPTQ layers 4-bit g64, every other quantizable layer (embedding) 6-bit g64
+GPTQ_DEFAULTS = {"bits": 4, "group_size": 64, "fallback_bits": 6, "fallback_group_size": 64}
+# mlx_lm.awq's command-line defaults: 4-bit g64 blocks, embedding (and head) 4-bit g32, 20-point grids
+AWQ_DEFAULTS = {"bits": 4, "group_size": 64, "embed_bits": 4, "embed_group_size": 32, "n_grid": 20}
+
+
+@dataclass
+class Baseline:
+    """One mlx-lm-quantized variant of a model: its name, method, settings, model and config."""
+
+    name: str
+    method: str
+    model: nn.Module
+    config: dict
+    build_s: float
+    params: dict = field(default_factory=dict)
+
+
+def cast_copy(model: nn.Module, dtype: mx.Dtype = mx.float16) -> nn.Module:
+    """A deep copy of ``model`` with every floating parameter cast to ``dtype``."""
+    out = copy.deepcopy(model)
+    out.update(
+        tree_map(lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v, out.parameters())
+    )
+    return out
+
+
+def _quantize(
+    model: nn.Module,
+    config: dict,
+    group_size: int,
+    bits: int,
+    predicate: Callable | None = None,
+    dtype: mx.Dtype = mx.float16,
+) -> tuple[nn.Module, dict]:
+    """mlx-lm's ``quantize_model`` on a 16-bit copy (its progress print silenced)."""
+    from mlx_lm.utils import quantize_model
+
+    q = cast_copy(model, dtype)
+    with contextlib.redirect_stdout(io.StringIO()):
+        q, qconfig = quantize_model(q, copy.deepcopy(config), group_size, bits, quant_predicate=predicate)
+    mx.eval(q.parameters())
+    return q, qconfig
+
+
+def uniform(
+    model: nn.Module, config: dict, bits: int, group_size: int, dtype: mx.Dtype = mx.float16
+) -> tuple[nn.Module, dict]:
+    """mlx-lm's uniform affine quantization of every quantizable layer at ``bits`` and ``group_size``."""
+    from mlx_dq.quant.options import VALID_BITS, VALID_GROUPS
+
+    if bits not in VALID_BITS or group_size not in VALID_GROUPS:
+        raise ValueError(f"bits must be in {VALID_BITS} and group size in {VALID_GROUPS}, got {bits}, {group_size}")
+    return _quantize(model, config, group_size, bits, dtype=dtype)
+
+
+def mixed_recipe(
+    model: nn.Module, config: dict, recipe: str, group_size: int = MIXED_GROUP_SIZE, dtype: mx.Dtype = mx.float16
+) -> tuple[nn.Module, dict]:
+    """mlx-lm's ``mixed_*`` recipe (``mlx_lm.convert --quant-predicate``): more bits for some v_proj/down_proj and lm_head."""
+    from mlx_lm.convert import QUANT_RECIPES, mixed_quant_predicate_builder
+
+    if recipe not in QUANT_RECIPES:
+        raise ValueError(f"unknown mlx-lm recipe {recipe!r}; mlx-lm has {QUANT_RECIPES}")
+    predicate = mixed_quant_predicate_builder(recipe, model, group_size)
+    return _quantize(model, config, group_size, None, predicate=predicate, dtype=dtype)
+
+
+def dynamic_sensitivities(
+    model: nn.Module,
+    rows: mx.array,
+    levels: Sequence[int] = DYNAMIC_LEVELS,
+    batch_size: int = 4,
+) -> dict[str, float]:
+    """Per-layer sensitivities from mlx-lm's ``dynamic_quant.estimate_sensitivities`` on our calibration rows.
+
+    Gradient of the KL to the float model, taken at the low-bit weights, dotted with the
+    low-to-high weight change; ``levels`` is (low bits, low group, high bits, high group).
+    """
+    from mlx_lm.quant.dynamic_quant import estimate_sensitivities
+
+    low_bits, low_group, high_bits, high_group = levels
+    f32 = cast_copy(model, mx.float32)
+    sens = estimate_sensitivities(f32, rows, low_bits, low_group, high_bits, high_group, batch_size=batch_size)
+    return {k: float(v) for k, v in sens}
+
+
+def dynamic_quant(
+    model: nn.Module,
+    config: dict,
+    sensitivities: dict[str, float],
+    target_bpw: float = DYNAMIC_TARGET,
+    levels: Sequence[int] = DYNAMIC_LEVELS,
+    dtype: mx.Dtype = mx.float16,
+) -> tuple[nn.Module, dict]:
+    """mlx-lm's ``dynamic_quant``: layers above a sensitivity threshold get the high level, the rest the low level.
+
+    The threshold comes from ``dynamic_quant.estimate_threshold`` (binary search with mlx-lm's own
+    bits-per-weight count on the 16-bit model), exactly as its command line does.
+    """
+    from mlx_lm.quant.dynamic_quant import estimate_threshold
+
+    low_bits, low_group, high_bits, high_group = levels
+    if not low_bits + 32 / low_group <= target_bpw <= high_bits + 32 / high_group:
+        raise ValueError(
+            f"target {target_bpw} bpw is outside what levels {tuple(levels)} can reach "
+            f"({low_bits + 32 / low_group:.3f}..{high_bits + 32 / high_group:.3f})"
+        )
+    q16 = cast_copy(model, dtype)
+    threshold = estimate_threshold(q16, sensitivities, target_bpw, low_bits, low_group, high_bits, high_group)
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if not hasattr(module, "to_quantized"):
+            return False
+        if sensitivities[path] > threshold:
+            return {"bits": high_bits, "group_size": high_group}
+        return True
+
+    return _quantize(model, config, low_group, low_bits, predicate=predicate, dtype=dtype)
+
+
+def uniform_variants(
+    model: nn.Module,
+    config: dict,
+    bits: Sequence[int] = UNIFORM_BITS,
+    group_sizes: Sequence[int] = GROUP_SIZES,
+) -> Iterator[Baseline]:
+    """Yield mlx-lm's uniform quantization for every bits x group pair, one model at a time."""
+    for b in bits:
+        for g in group_sizes:
+            t0 = time.perf_counter()
+            q, qc = uniform(model, config, b, g)
+            yield Baseline(f"mlx-lm {b}-bit g{g}", "mlx-lm uniform", q, qc, time.perf_counter() - t0,
+                           {"bits": b, "group_size": g})
+
+
+def mixed_variants(model: nn.Module, config: dict, recipes: Sequence[str] = MIXED_RECIPES) -> Iterator[Baseline]:
+    """Yield mlx-lm's mixed recipes, one model at a time."""
+    for r in recipes:
+        t0 = time.perf_counter()
+        q, qc = mixed_recipe(model, config, r)
+        yield Baseline(f"mlx-lm {r}", "mlx-lm mixed", q, qc, time.perf_counter() - t0,
+                       {"recipe": r, "group_size": MIXED_GROUP_SIZE})
+
+
+def dynamic_variants(
+    model: nn.Module,
+    config: dict,
+    sensitivities: dict[str, float],
+    targets: Sequence[float],
+    levels: Sequence[int] = DYNAMIC_LEVELS,
+) -> Iterator[Baseline]:
+    """Yield mlx-lm's dynamic_quant at each target bpw from one set of sensitivities."""
+    for t in targets:
+        t0 = time.perf_counter()
+        q, qc = dynamic_quant(model, config, sensitivities, t, levels)
+        lb, lg, hb, hg = levels
+        yield Baseline(f"mlx-lm dynamic_quant {lb}b{lg}/{hb}b{hg} @{t:g}", "mlx-lm dynamic_quant", q, qc,
+                       time.perf_counter() - t0, {"target_bpw": t, "levels": list(levels)})
+
+
+def _to_16_bit(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    """Cast every floating parameter (scales, biases, norms, float layers) of ``model`` to ``dtype``, in place."""
+    model.update(tree_map(lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v,
+                          model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def gptq(
+    model: nn.Module,
+    config: dict,
+    rows: mx.array,
+    bits: int = GPTQ_DEFAULTS["bits"],
+    group_size: int = GPTQ_DEFAULTS["group_size"],
+    fallback_bits: int = GPTQ_DEFAULTS["fallback_bits"],
+    fallback_group_size: int = GPTQ_DEFAULTS["fallback_group_size"],
+    batch_size: int = 8,
+    dtype: mx.Dtype = mx.float16,
+) -> tuple[nn.Module, dict]:
+    """mlx-lm's GPTQ (``mlx_lm.quant.gptq.gptq_quantize``) calibrated on token ``rows``.
+
+    Every Linear gets GPTQ at ``bits``/``group_size`` (mlx-lm supports 2, 4, 8 bits); the other
+    quantizable layers (the embedding) get plain rounding at the fallback width. Runs on a float32
+    copy (its Hessians accumulate in the input dtype), then stores scales and biases in ``dtype``
+    as a 16-bit checkpoint would.
+    """
+    from mlx_lm.quant.gptq import gptq_quantize
+
+    if bits not in (2, 4, 8):
+        raise ValueError(f"mlx-lm's GPTQ supports 2, 4 or 8 bits, got {bits}")
+    q = cast_copy(model, mx.float32)
+    with contextlib.redirect_stderr(io.StringIO()):  # its tqdm bars
+        q, qconf = gptq_quantize(q, rows, bits, group_size, fallback_bits, fallback_group_size, batch_size=batch_size)
+    qconfig = copy.deepcopy(config)
+    qconfig["quantization"] = qconf
+    return _to_16_bit(q, dtype), qconfig
+
+
+def awq(
+    model: nn.Module,
+    config: dict,
+    rows: mx.array,
+    bits: int = AWQ_DEFAULTS["bits"],
+    group_size: int = AWQ_DEFAULTS["group_size"],
+    embed_bits: int = AWQ_DEFAULTS["embed_bits"],
+    embed_group_size: int = AWQ_DEFAULTS["embed_group_size"],
+    n_grid: int = AWQ_DEFAULTS["n_grid"],
+    dtype: mx.Dtype = mx.float16,
+) -> tuple[nn.Module, dict]:
+    """mlx-lm's AWQ (``mlx_lm.quant.awq.awq_quantize``) calibrated on token ``rows``.
+
+    Activation-aware scales and clipping searched per block, then rounding at ``bits``/``group_size``;
+    the embedding (and an untied head) at ``embed_bits``/``embed_group_size``. Only the architectures
+    in mlx-lm's ``AWQ_MODEL_CONFIGS`` (llama, qwen2, gemma3_text, ...) are supported. Runs in float32,
+    then stores scales and biases in ``dtype``.
+    """
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+
+    model_type = config.get("model_type")
+    if model_type not in AWQ_MODEL_CONFIGS:
+        raise ValueError(f"mlx-lm's AWQ does not support {model_type!r} models (it has {sorted(AWQ_MODEL_CONFIGS)})")
+    q = cast_copy(model, mx.float32)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        awq_quantize(q, rows, AWQ_MODEL_CONFIGS[model_type], group_size=group_size, bits=bits,
+                     embed_group_size=embed_group_size, embed_bits=embed_bits, n_grid=n_grid)
+        qconfig = update_config(q, copy.deepcopy(config))
+    return _to_16_bit(q, dtype), qconfig

@@ -1,0 +1,1 @@
+"""The bundled calibration and evaluation text, and reading it into token rows."""

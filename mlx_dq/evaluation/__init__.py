@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, KL divergence, bits-per-weight accounting, and figures."""

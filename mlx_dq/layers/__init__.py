@@ -1,0 +1,1 @@
+"""Quantized layers: mixed-proportion Linear / Embedding / expert banks and their kernels."""

@@ -1,0 +1,1 @@
+"""Quantizers: MLX affine storage, round-to-nearest with clip search, GPTQ, and the one dispatch."""

@@ -1,0 +1,1 @@
+"""How mlx-dq runs: OpenBLAS on Linux, worker threads, several ranks over mx.distributed."""
