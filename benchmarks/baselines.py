@@ -11,20 +11,30 @@ As in an mlx-lm checkpoint, the model is cast to 16-bit before quantizing, so sc
 are 16-bit like mlx-dq's. Bits per weight are counted with :func:`mlx_dq.evaluation.metrics.weight_storage`
 (the same rule for every method). ``dynamic_quant`` normally downloads its calibration text;
 here it is given our calibration rows.
+
+Two planning baselines work on a measurement instead, at the optimizer's budget: a single greedy pass
+(:func:`greedy_single_pass`) and mlx-lm's dynamic_quant two-level rule (:func:`dynamic_quant_threshold`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import heapq
 import io
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_map
+
+from mlx_dq.measure.records import Measurement, OptionRecord
+from mlx_dq.plan.plan import Plan
+from mlx_dq.plan.solver import Item, build_problem, check_range, make_plan, range_error
+from mlx_dq.quant.options import QuantOption
 
 UNIFORM_BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -261,3 +271,115 @@ def awq(
                      embed_group_size=embed_group_size, embed_bits=embed_bits, n_grid=n_grid)
         qconfig = update_config(q, copy.deepcopy(config))
     return _to_16_bit(q, dtype), qconfig
+
+
+# --------------------------------------------------------------------------- planning baselines
+def greedy_single_pass(measurement: Measurement, target_bpw: float, **kw: Any) -> Plan:
+    """Baseline: a single greedy pass with no backtracking.
+
+    Start from the cheapest options and upgrade by best damage decrease per bit
+    until no upgrade fits.
+    """
+    t0 = time.perf_counter()
+    p = build_problem(measurement, target_bpw, **kw)
+    check_range(p)
+    choice = [int(np.argmin(np.where(it.bits == it.bits.min(), it.damage, np.inf))) for it in p.items]
+    used = sum(int(it.bits[j]) for it, j in zip(p.items, choice))
+
+    def best_upgrade(i: int) -> tuple[float, int] | None:
+        it = p.items[i]
+        db = it.bits - it.bits[choice[i]]
+        dd = it.damage - it.damage[choice[i]]
+        ok = (db > 0) & (dd < 0) & (db <= p.budget - used)
+        if not ok.any():
+            return None
+        r = np.where(ok, -dd / np.maximum(db, 1), -np.inf)
+        j = int(np.argmax(r))
+        return float(r[j]), j
+
+    heap = []
+    for i in range(len(p.items)):
+        b = best_upgrade(i)
+        if b is not None:
+            heapq.heappush(heap, (-b[0], i, b[1], choice[i]))
+    while heap:
+        _, i, j, frm = heapq.heappop(heap)
+        it = p.items[i]
+        if frm != choice[i] or it.bits[j] - it.bits[frm] > p.budget - used:
+            b = best_upgrade(i)  # stale or no longer fits: re-rank this item
+            if b is not None:
+                heapq.heappush(heap, (-b[0], i, b[1], choice[i]))
+            continue
+        used += int(it.bits[j] - it.bits[frm])
+        choice[i] = j
+        b = best_upgrade(i)
+        if b is not None:
+            heapq.heappush(heap, (-b[0], i, b[1], choice[i]))
+    p.settings["baseline"] = "greedy single pass"
+    return make_plan(p, measurement, choice, None, "greedy-single-pass", t0)
+
+
+def _nearest_choice(it: Item, opt: QuantOption) -> tuple[int, bool]:
+    """The item's choice equal to ``opt`` for every member (exact: True), else the one nearest in bpw."""
+    def options_of(c: Any) -> list:
+        if c is None:
+            return [QuantOption.fp16()]
+        if isinstance(c, OptionRecord):
+            return [c.option]
+        return [QuantOption.fp16() if r is None else r.option for r in c.members.values()]
+
+    for j, c in enumerate(it.choices):
+        if all(o == opt for o in options_of(c)):
+            return j, True
+    same_bits = [j for j, c in enumerate(it.choices)
+                 if all(not o.is_mixed and o.max_bits == opt.max_bits for o in options_of(c))]
+    pool = same_bits or range(len(it.choices))
+    want = opt.nominal_bpw()
+    return min(pool, key=lambda j: (abs(it.bits[j] / it.numel - want), it.damage[j])), False
+
+
+def dynamic_quant_threshold(
+    measurement: Measurement,
+    target_bpw: float,
+    low_bits: int = 4,
+    high_bits: int = 5,
+    *,
+    low_group_size: int = 64,
+    high_group_size: int = 64,
+    **kw: Any,
+) -> Plan:
+    """Baseline: mlx-lm's dynamic_quant two-level rule on this measurement.
+
+    mlx-lm ranks tensors by sensitivity per million weights (the loss change
+    between low and high bits) and puts those above a threshold, found by
+    bisection on the bpw, at high bits. Here sensitivity is the measured damage
+    difference between the low and high option per million weights, and the
+    threshold is set exactly: the most sensitive tensors go high while the plan fits.
+    """
+    t0 = time.perf_counter()
+    p = build_problem(measurement, target_bpw, **kw)
+    lo_opt = QuantOption.uniform(low_bits, low_group_size)
+    hi_opt = QuantOption.uniform(high_bits, high_group_size)
+    low_x = [_nearest_choice(it, lo_opt) for it in p.items]
+    high_x = [_nearest_choice(it, hi_opt) for it in p.items]
+    low, high = [j for j, _ in low_x], [j for j, _ in high_x]
+    exact = sum(a and b for (_, a), (_, b) in zip(low_x, high_x))
+    used = sum(int(it.bits[j]) for it, j in zip(p.items, low))
+    top = sum(int(it.bits[j]) for it, j in zip(p.items, high))
+    if not used <= p.budget <= top:
+        raise range_error(p, used, max(top, used), f"outside the two-level range of {lo_opt.desc} / {hi_opt.desc}")
+    sens = [(float(it.damage[lj] - it.damage[hj]) / (it.numel / 1e6), i)
+            for i, (it, lj, hj) in enumerate(zip(p.items, low, high))]
+    sens.sort(key=lambda s: (-s[0], s[1]))
+    choice = list(low)
+    for _, i in sens:
+        it = p.items[i]
+        extra = int(it.bits[high[i]] - it.bits[low[i]])
+        if used + extra > p.budget:
+            break
+        choice[i] = high[i]
+        used += extra
+    p.settings["baseline"] = (f"mlx-lm dynamic_quant rule {lo_opt.desc} / {hi_opt.desc} "
+                              f"({exact}/{len(p.items)} items had both measured; others use the nearest option)")
+    return make_plan(p, measurement, choice, None, "dynamic-quant-threshold", t0)
+

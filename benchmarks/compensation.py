@@ -32,6 +32,7 @@ from mlx_dq.model.sources import load_model
 from mlx_dq.quant.affine import QuantizedTensor, output_error, quantize_weight
 from mlx_dq.quant.gptq import gptq_quantize
 from mlx_dq.quant.options import QuantOption
+from mlx_dq.quant.spec import QuantizerSpec
 
 OPTIONS = ("1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "0.25:4b_32g/0.75:3b_64g")
 PROJS = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
@@ -43,10 +44,11 @@ def methods(alt_damp: float) -> dict[str, Method]:
     return {
         "RTN": lambda w, o, g: quantize_weight(w, o, g, clip=False),
         "RTN+clip": lambda w, o, g: quantize_weight(w, o, g, clip=True),
-        "GPTQ": lambda w, o, g: gptq_quantize(w, o, g, weighted_scales=False, error_stats=False),
+        "GPTQ": lambda w, o, g: gptq_quantize(w, o, g, QuantizerSpec(weighted_scales=False), error_stats=False),
         "GPTQ+wtd": lambda w, o, g: gptq_quantize(w, o, g, error_stats=False),
-        "GPTQ+wtd nat": lambda w, o, g: gptq_quantize(w, o, g, act_order=False, error_stats=False),
-        f"GPTQ+wtd d={alt_damp:g}": lambda w, o, g: gptq_quantize(w, o, g, damp=alt_damp, error_stats=False),
+        "GPTQ+wtd nat": lambda w, o, g: gptq_quantize(w, o, g, QuantizerSpec(act_order=False), error_stats=False),
+        f"GPTQ+wtd d={alt_damp:g}": lambda w, o, g: gptq_quantize(w, o, g, QuantizerSpec(damp=alt_damp),
+                                                                  error_stats=False),
     }
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_dq.measure.grids import load_grid, role_of
+from mlx_dq.measure.grids import load_grid
+from mlx_dq.names import role_of
 from mlx_dq.quant.affine import output_error, quantize_weight
 from mlx_dq.quant.options import QuantOption
 

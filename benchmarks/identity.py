@@ -66,7 +66,7 @@ def run_tiny(tmp: Path) -> dict[str, dict[str, str]]:
     sys.path.insert(0, str(ROOT / "tests"))
     from fixtures_models import make_tiny_model_folder
 
-    from mlx_dq.conversion import pipeline as convert
+    from mlx_dq.api import convert
 
     results = {}
     for model_type in ("llama", "qwen3_moe"):

@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 
 def parts(n_layers: int) -> dict[str, Callable[[str, int | None], bool]]:
@@ -43,7 +43,6 @@ def main() -> None:
     from mlx_dq.data import calib
     from mlx_dq.evaluation import metrics as evaluate
     from mlx_dq.layers.rowsplit import RowSplitEmbedding
-    from mlx_dq.loader import _set_module
     from mlx_dq.model.sources import load_model
     from mlx_dq.names import layer_index
 
@@ -64,7 +63,7 @@ def main() -> None:
         if isinstance(m, RowSplitEmbedding):
             whole = nn.Embedding(*m.table().shape)
             whole.weight = m.table()
-            _set_module(q, path, whole)
+            q.update_modules(tree_unflatten([(path, whole)]))
     quantized = dict(tree_flatten(q.parameters()))
     src, tokenizer, _ = load_model(base, dtype=mx.float32)
     texts, source = calib.resolve_eval_texts(args.text)

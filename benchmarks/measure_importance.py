@@ -35,8 +35,8 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 def main() -> None:
     """Compute per-tensor KL for the sample and print the correlations."""
     from mlx_dq.data import calib
+    from mlx_dq.measure.model_kl import tensor_kl
     from mlx_dq.measure.records import load_measurement
-    from mlx_dq.measure.stream import tensor_kl
     from mlx_dq.model.capture import quantizable_modules
     from mlx_dq.model.sources import resolve
     from mlx_dq.quant.options import QuantOption

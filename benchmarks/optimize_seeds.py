@@ -19,13 +19,11 @@ import json
 import time
 from pathlib import Path
 
+from baselines import dynamic_quant_threshold, greedy_single_pass
+
 from mlx_dq.measure.records import load_measurement
-from mlx_dq.plan.optimize import (
-    Plan,
-    dynamic_quant_threshold,
-    greedy_single_pass,
-    optimize,
-)
+from mlx_dq.plan.plan import Plan
+from mlx_dq.plan.solver import optimize
 
 SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
 TARGETS = (2.5, 3.0, 3.5, 4.0, 5.0)

@@ -492,7 +492,8 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
     from mlx_dq.conversion import pipeline as conv
     from mlx_dq.conversion.resolve import available_hot_rows, with_row_splits
     from mlx_dq.measure import stream as meas
-    from mlx_dq.plan.optimize import optimize
+    from mlx_dq.plan.solver import optimize
+    from mlx_dq.settings import MeasureSettings, QuantizeSettings
 
     state: dict = {}
 
@@ -501,8 +502,8 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
             state[method], state[method + "_s"] = load_saved_measurement(saved, spec), 0.0
             print(f"  measurement: {saved} (saved, not measured again)", flush=True)
         if method not in state:
-            rows = calib_rows or meas.DEFAULT_ROWS
-            seq = calib_seq or meas.DEFAULT_SEQ_LEN
+            rows = calib_rows or MeasureSettings.rows
+            seq = calib_seq or MeasureSettings.seq_len
             g = f".{_tag(grid)}" if grid else ""
             path = cache / f"{_tag(spec)}.measurement.{method}{g}.r{rows}x{seq}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -525,7 +526,7 @@ def mlx_dq_variants(spec: str, targets: tuple[float, ...], cache: Path, modes: t
         plan = optimize(m, target, mlx_lm_compatible=compatible, head_option=head_option)
         kw = {"method": method}
         if calib_rows:
-            kw.update(rows=calib_rows, seq_len=calib_seq or conv.DEFAULT_SEQ_LEN)
+            kw.update(rows=calib_rows, seq_len=calib_seq or QuantizeSettings.seq_len)
         if not compatible:  # frequent-token rows, as convert plans them
             plan = with_row_splits(plan, hot_rows(kw), lambda b: optimize(m, b, head_option=head_option), [], m)
         # measuring time is reported apart (from the file: also right when it came from the cache)
@@ -821,7 +822,7 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
             + (f"; planned from the saved measurement `{dq_measurement.name}`" if dq_measurement else "")
             + ", converted with GPTQ); embedding/head: "
             f"{'chosen by the optimizer inside the target' if head_option == 'budget' else head_option}"
-            ", with the frequent-token rows `convert` plans (README: What is measured); "
+            ", with the frequent-token rows `convert` plans (docs/pipeline.md: How conversion quantizes); "
             "`--mlx-lm-compatible` plans use whole-tensor options only; '(no compensation)' rows are measured "
             "with rounding (`measure --method rtn`) and quantized with rounding + clip search (`convert --method "
             "rtn`) instead of GPTQ.",

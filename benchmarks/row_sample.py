@@ -25,12 +25,14 @@ import numpy as np
 
 def main() -> None:
     from mlx_dq.data import calib as calib_mod
-    from mlx_dq.measure.grids import load_grid, role_of
+    from mlx_dq.measure.grids import load_grid
     from mlx_dq.measure.records import Measurement
-    from mlx_dq.measure.stream import measure_tensor, probe_layers
+    from mlx_dq.measure.tensor import measure_tensor
     from mlx_dq.model.capture import GramCollector, quantizable_modules
+    from mlx_dq.model.runner import probe_layers
     from mlx_dq.model.sources import default_gguf_path, resolve
-    from mlx_dq.plan.optimize import optimize
+    from mlx_dq.names import role_of
+    from mlx_dq.plan.solver import optimize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="0,15,29")

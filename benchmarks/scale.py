@@ -134,8 +134,8 @@ if args["stage"] == "measure":
     # own time of every thread, less the time spent waiting (for a lock, or an idle worker for its next task);
     # numpy's part of it: numpy's functions and methods, and the functions whose own time is numpy's operators
     waits = ("acquire", "'get' of '_queue.SimpleQueue'")
-    numpy_own = {("gptq.py", n) for n in ("gptq_core", "_round_f16", "dequant_f16", "codes_f16",
-                                          "_reversed_damped", "_pending_columns", "write_columns")} \
+    numpy_own = {("gptq_core.py", n) for n in ("_run_block", "_pending_columns", "write_columns")} \
+        | {("storage.py", n) for n in ("codes", "dequantize", "round_to")} | {("hessian.py", "_reversed_damped")} \
         | {("linalg.py", n) for n in ("permute_in_place", "reverse_in_place", "_small_cholesky",
                                       "_small_lower_inverse")}
     own = [(k, v[2]) for st in stats for k, v in st.items() if not (k[0] == "~" and any(w in k[2] for w in waits))]
@@ -196,11 +196,12 @@ def layer_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str,
 def head_macs(s: dict, tokens: int, imp_tokens: int, options: int, method: str, sample_rows: int) -> float:
     """Multiply-adds of the head stage: logits of the importance rows (the base perplexity), two anchor options quantized on every
     vocabulary row with their KL taken block by block (original and quantized rows, plus one LSE pass) and
-    the meter's reference sum, the other options on a row sample (mlx_dq.measure.stream.head_anchors) with their
+    the meter's reference sum, the other options on a row sample (mlx_dq.measure.head.head_anchors) with their
     damage predicted from the error against the Gram, and every row's energy for the sample; all of them
     exactly without sampling (counts as in :func:`layer_macs`); one pass through the head for each copy carried to
     the logits (the sampled layers', the lookup table's)."""
-    from mlx_dq.measure.stream import HEAD_SAMPLE_FACTOR, KL_SAMPLE_LAYERS
+    from mlx_dq.measure.head import HEAD_SAMPLE_FACTOR
+    from mlx_dq.measure.stream import KL_SAMPLE_LAYERS
 
     v, h = s["vocab"], s["hidden"]
     per = 0.5 if method == "gptq" else 1
@@ -218,6 +219,7 @@ def hot_loop_problem(h: int) -> tuple:
 
     from mlx_dq.quant.dispatch import quantize_tensor
     from mlx_dq.quant.options import QuantOption
+    from mlx_dq.quant.spec import QuantizerSpec
 
     mx.random.seed(1)
     w = mx.random.normal((h, h)) / h ** 0.5
@@ -226,7 +228,7 @@ def hot_loop_problem(h: int) -> tuple:
     mx.eval(w, gram)
     cache: dict = {}
     opt = QuantOption.parse("1.0:4b_64g")
-    quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache)  # factor the Hessian once
+    quantize_tensor(w, opt, gram, QuantizerSpec(clip=False), factor_cache=cache)  # factor the Hessian once
     return w, gram, opt, cache
 
 
@@ -237,13 +239,14 @@ def hot_loop(s: dict, flops: float, repeat: int = 1) -> dict:
     import mlx.core as mx
 
     from mlx_dq.quant.dispatch import quantize_tensor
+    from mlx_dq.quant.spec import QuantizerSpec
 
     h = s["hidden"]
     w, gram, opt, cache = hot_loop_problem(h)
     runs = []
     for _ in range(max(1, repeat)):
         t = time.perf_counter()
-        mx.eval(*quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache).parts[0])
+        mx.eval(*quantize_tensor(w, opt, gram, QuantizerSpec(clip=False), factor_cache=cache).parts[0])
         runs.append(time.perf_counter() - t)
     sec = sorted(runs)[len(runs) // 2]
     fl = 2 * (h * h * h / 2) / sec

@@ -1,6 +1,6 @@
 """What GPTQ's group scale search buys, and what a cheaper one would cost (SmolLM2-135M layers, one CPU thread).
 
-GPTQ chooses each group's fp16 scale and bias by :func:`mlx_dq.quant.gptq.refine_group_params`: MLX's range rule,
+GPTQ chooses each group's fp16 scale and bias by :func:`mlx_dq.quant.scale_search.refine_group_params`: MLX's range rule,
 then seven shifted or rescaled ranges, then two weighted least-squares refits. On a 2-core CPU that search costs
 about as much as GPTQ's own matrix updates at 4,096 input channels, so this script prices each part of it:
 
@@ -26,9 +26,12 @@ import numpy as np
 from compensation import OPTIONS, add_layer_args, capture_both
 from scale import hot_loop_problem
 
-from mlx_dq.quant import gptq as gptq_mod
-from mlx_dq.quant.affine import affine_params, output_error
+from mlx_dq.quant import scale_search as search_mod
+from mlx_dq.quant.affine import output_error
+from mlx_dq.quant.gptq import gptq_quantize
 from mlx_dq.quant.options import QuantOption
+from mlx_dq.quant.spec import QuantizerSpec
+from mlx_dq.quant.storage import affine_params
 
 # refine_group_params' keyword arguments per variant; "default" is the library's own search
 VARIANTS: dict[str, dict] = {
@@ -55,7 +58,7 @@ def search_seconds(rounds: int = 7) -> dict[str, float]:
     for _ in range(rounds + 1):  # the first round compiles
         for name, kw in VARIANTS.items():
             t = time.perf_counter()
-            mx.eval(*gptq_mod.refine_group_params(w, s, b, 4, wt, **kw))
+            mx.eval(*search_mod.refine_group_params(w, s, b, 4, wt, **kw))
             best[name] = min(best[name], time.perf_counter() - t)
     return {name: sec / (w.size / 1e6) for name, sec in best.items()}
 
@@ -67,23 +70,23 @@ def hot_loop(sizes: list[int]) -> None:
 
     flops = matmul_flops(2048)
     print(f"\nGPTQ alone (4-bit g64, factor cached, no clip candidates); plain matmul {flops / 1e9:.1f} GFLOP/s")
-    orig = gptq_mod.refine_group_params
+    orig = search_mod.refine_group_params
     try:
         for h in sizes:
             w, gram, opt, cache = hot_loop_problem(h)
             runs: dict[str, list[float]] = {name: [] for name in VARIANTS}
             for _ in range(3):
                 for name, kw in VARIANTS.items():
-                    gptq_mod.refine_group_params = functools.partial(orig, **kw)
+                    search_mod.refine_group_params = functools.partial(orig, **kw)
                     t = time.perf_counter()
-                    mx.eval(*quantize_tensor(w, opt, gram, method="gptq", clip=False, factor_cache=cache).parts[0])
+                    mx.eval(*quantize_tensor(w, opt, gram, QuantizerSpec(clip=False), factor_cache=cache).parts[0])
                     runs[name].append(time.perf_counter() - t)
             for name, v in runs.items():
                 sec = sorted(v)[1]
                 print(f"{h} x {h}  {name:<26} {sec:6.2f} s = {h ** 3 / sec / flops:4.0%} of matmul  "
                       f"({', '.join(f'{t:.2f}' for t in v)})", flush=True)
     finally:
-        gptq_mod.refine_group_params = orig
+        search_mod.refine_group_params = orig
 
 
 def main() -> None:
@@ -96,24 +99,24 @@ def main() -> None:
     ms = {name: sec * 1e3 for name, sec in search_seconds().items()}  # before the model: nothing else in memory
     layers, cal, held = capture_both(args)
     print(f"# {args.model}, layers {layers}, {len(cal)} tensors, {args.rows} x {args.seq_len} tokens each for the "
-          f"calibration and held-out Grams; GPTQ (act order, damping {gptq_mod.DEFAULT_DAMP}), clip search: {args.clip}")
+          f"calibration and held-out Grams; GPTQ (act order, damping {QuantizerSpec().damp}), clip search: {args.clip}")
     print("mean relative output error, calibration / held-out; search ms per million weights on one thread")
-    orig = gptq_mod.refine_group_params
+    orig = search_mod.refine_group_params
     try:
         for name, kw in VARIANTS.items():
-            gptq_mod.refine_group_params = functools.partial(orig, **kw)  # choose_group_params looks it up by name
+            search_mod.refine_group_params = functools.partial(orig, **kw)  # choose_group_params looks it up by name
             cells = []
             for desc in OPTIONS:
                 opt = QuantOption.parse(desc)
                 c, h = [], []
                 for tensor, (w, g) in cal.items():
-                    wq = gptq_mod.gptq_quantize(w, opt, g, clip=args.clip, error_stats=False).dequantize()
+                    wq = gptq_quantize(w, opt, g, QuantizerSpec(clip=args.clip), error_stats=False).dequantize()
                     c.append(output_error(w, wq, g))
                     h.append(output_error(w, wq, held[tensor][1]))
                 cells.append(f"{desc} {np.mean(c):.5f} / {np.mean(h):.5f}")
             print(f"{name:<26} {ms[name]:6.1f} ms | " + " | ".join(cells), flush=True)
     finally:
-        gptq_mod.refine_group_params = orig
+        search_mod.refine_group_params = orig
     if args.hot_loop:
         hot_loop([int(h) for h in args.hot_loop.split(",")])
 

@@ -6,9 +6,18 @@ derives from ValueError so callers that caught ValueError before keep working.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+_E = TypeVar("_E", bound="MlxDqError")
+
 
 class MlxDqError(ValueError):
     """A user error or a bad input file; the message is one line, fit to print after ``Error:``."""
+
+    @classmethod
+    def at(cls: type[_E], path: object, what: str) -> _E:
+        """This error about one file: ``<path>: <what>``, the form every message about a file's content takes."""
+        return cls(f"{path}: {what}")
 
 
 class InputError(MlxDqError):

@@ -2,7 +2,7 @@
 
 A folder with only whole-tensor options is a stock mlx-lm model: ``mlx_lm.load``
 reads it as is. A folder with mixed-proportion tensors lists them under
-``mlx_dq.layers.mixed`` in config.json (embeddings with frequent-token rows under
+``mlx_dq.mixed`` in config.json (embeddings with frequent-token rows under
 ``mlx_dq.row_split``); :func:`mixed_model_classes` wraps mlx-lm's own model class
 so that those modules are mlx-dq layers before mlx-lm loads the weights. The
 folder's model file uses it (``trust_remote_code``), and :func:`load` uses it
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from mlx_dq.errors import InputError, IntegrityError
 from mlx_dq.layers.mixed import empty_mixed_layer
@@ -28,25 +29,13 @@ SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I3
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 
-def _set_module(root: nn.Module, path: str, new: nn.Module) -> None:
-    """Replace the submodule at dotted ``path`` (list indices allowed) by ``new``."""
-    *parents, last = path.split(".")
-    mod: Any = root
-    for p in parents:
-        mod = mod[int(p)] if isinstance(mod, list) else getattr(mod, p)
-    if isinstance(mod, list):
-        mod[int(last)] = new
-    else:
-        setattr(mod, last, new)
-
-
 def install_mixed_layers(model: nn.Module, mixed: dict[str, dict]) -> nn.Module:
     """Swap the modules named in ``mixed`` (path -> {"option": desc, ...}) for empty mixed layers to load into."""
     modules = dict(model.named_modules())
     for path, spec in mixed.items():
         if path not in modules:
             raise IntegrityError(f"config lists a mixed layer {path!r} that the model does not have")
-        _set_module(model, path, empty_mixed_layer(modules[path], spec["option"]))
+        model.update_modules(tree_unflatten([(path, empty_mixed_layer(modules[path], spec["option"]))]))
     return model
 
 
@@ -56,7 +45,7 @@ def install_row_splits(model: nn.Module, splits: dict[str, dict]) -> nn.Module:
     for path, spec in splits.items():
         if path not in modules:
             raise IntegrityError(f"config lists a row-split table {path!r} that the model does not have")
-        _set_module(model, path, empty_split_layer(modules[path], int(spec["rows"])))
+        model.update_modules(tree_unflatten([(path, empty_split_layer(modules[path], int(spec["rows"])))]))
     return model
 
 

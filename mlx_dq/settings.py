@@ -14,9 +14,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from mlx_dq.errors import InputError
-from mlx_dq.quant.dispatch import METHODS
-from mlx_dq.quant.gptq import DEFAULT_DAMP
+from mlx_dq.quant.spec import DEFAULT_DAMP, METHODS, QuantizerSpec
 
 IMPORTANCE_MODES = ("residual", "kl", "none")
 EXPERT_MODES = ("per_expert", "shared")
@@ -89,11 +90,12 @@ class MeasureSettings(_Settings):
     expert_mode: str = "per_expert"
     clip: bool | None = None
     method: str = "gptq"
+    damp: float = DEFAULT_DAMP
     kl_scale: bool = True
     head_chunk: int = HEAD_CHUNK
-    # Options measured on 256 output rows of each wide linear layer (measure.output_row_sample): on SmolLM2-135M
-    # at 3.5 bpw the converted model's KL on three texts stayed within noise of all rows (0.406/0.501/0.386 vs
-    # 0.405/0.504/0.382) and a decoder layer measured about 1.8x faster (benchmarks/results/measure_speed.md).
+    # Options measured on 256 output rows of each wide linear layer (measure.output_row_sample): rows are
+    # independent in GPTQ and rounding, so a stratified sample prices each option nearly as all rows do, for a
+    # fraction of the work (docs/cost.md#sampled-output-rows).
     sample_rows: int = 256
 
     def check(self) -> None:
@@ -109,15 +111,19 @@ class MeasureSettings(_Settings):
             )
         if self.sample_rows < 0:
             raise InputError(f"sample_rows must be >= 0, got {self.sample_rows}")
+        if self.damp < 0:
+            raise InputError(f"damp must be >= 0, got {self.damp}")
+
+    def quantizer(self) -> QuantizerSpec:
+        """The quantizer whose errors are measured: this method, clip search (:attr:`resolved_clip`) and damping."""
+        return QuantizerSpec(method=self.method, clip=self.resolved_clip, damp=self.damp)
 
     @property
     def resolved_clip(self) -> bool:
         """The clip search actually used: as given, else off.
 
-        Why off for GPTQ too: GPTQ's weighted scale search still runs, and the clip candidates were about half of
-        its work (a 20-option batch of 256 x 4,096 rows: 6.3 -> 4.4 s). The README's SmolLM2-135M conversion at 3.5
-        bpw kept its KL within noise: pydoc 0.3590 -> 0.3596, shakespeare 0.4550 -> 0.4615, dialog 0.3790 -> 0.3588,
-        mean 0.3977 -> 0.3933 (benchmarks/results/scale.md)."""
+        Why off for GPTQ too: GPTQ's weighted scale search still runs, the clip candidates are a large share of its
+        work, and the plans measured without them convert no worse (docs/quality.md#figures-behind-the-code)."""
         return False if self.clip is None else bool(self.clip)
 
     @property
@@ -142,18 +148,26 @@ class QuantizeSettings(CalibSettings):
             raise InputError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.dtype not in DTYPES:
             raise InputError(f"dtype must be float16, bfloat16 or auto (the source's), got {self.dtype!r}")
+        if self.damp < 0:
+            raise InputError(f"damp must be >= 0, got {self.damp}")
         super().check()
+
+    def quantizer(self, scale_dtype: Any = mx.float16) -> QuantizerSpec:
+        """The quantizer convert applies: this method, clip search, damping and promotion, scales in
+        ``scale_dtype`` (the resolved output dtype)."""
+        return QuantizerSpec(method=self.method, clip=self.clip, damp=self.damp, promote_mixed=self.promote_mixed,
+                             scale_dtype=scale_dtype)
 
     def measure_defaults(self) -> dict[str, Any]:
         """The measurement options that follow from these settings: the same rows and the same quantizer.
 
         The measurement convert makes uses its calibration rows (text, count, length,
-        seed) and its method, so the errors the plan is built on are those of this
+        seed), its method and its damping, so the errors the plan is built on are those of this
         conversion's quantizer; it measures without the clip candidates either way
         (:meth:`MeasureSettings.resolved_clip` says why).
         """
         return {"calib": self.calib, "rows": self.rows, "seq_len": self.seq_len, "seed": self.seed,
-                "method": self.method, "clip": False}
+                "method": self.method, "clip": False, "damp": self.damp}
 
 
 @dataclass(frozen=True)
@@ -172,7 +186,7 @@ class PlanSettings(_Settings):
 class DistillSettings(CalibSettings):
     """What one distillation run does: its calibration rows, steps, optimizer and what it trains."""
 
-    rows: int = 40  # each row once in the 40 steps: 16 rows seen 2.5 times each overfitted at 4.0 bpw
+    rows: int = 40  # each row once in the 40 steps: rows seen several times overfit (docs/quality.md#distillation)
     seq_len: int = 128
     steps: int = 40
     batch_size: int = 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 
 
 def cli(*args, input: bytes | str | None = None):

@@ -44,9 +44,6 @@ def _stage(module: str) -> str:
 # functions longer than MAX_LINES, each with the reason it stays whole (see the README's layout section)
 MAX_LINES = 80
 LONG_FUNCTIONS = {
-    "mlx_dq.quant.gptq.gptq_core": "the GPTQ inner loop, one numeric kernel whose steps share the column state",
-    "mlx_dq.quant.gptq.gptq_quantize_many": "GPTQ's setup around the kernel: banks, options, channel order, factor cache, stats",
-    "mlx_dq.plan.optimize._build": "builds the knapsack's item table in one pass over the measurement",
 }
 
 

@@ -145,3 +145,40 @@ def test_awq_refuses_architectures_mlx_lm_lacks(llama):
     model, _, config = llama
     with pytest.raises(ValueError, match="does not support 'mystery'"):
         baselines.awq(model, {**config, "model_type": "mystery"}, _calib_rows())
+
+
+def test_planning_baselines_respect_budget_and_lose_to_the_optimizer() -> None:
+    """The greedy pass and mlx-lm's two-level rule on a measurement: within budget, never better than optimize."""
+    import math
+
+    from mlx_dq.measure.records import Measurement, OptionRecord, TensorRecord
+    from mlx_dq.plan.solver import optimize
+    from mlx_dq.quant.options import QuantOption
+
+    whole = [QuantOption.uniform(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
+    mixed = [QuantOption.parse(d) for d in ("0.1:4b_32g/0.9:3b_32g", "0.25:6b_64g/0.75:4b_64g",
+                                            "0.5:3b_128g/0.5:2b_128g")]
+    rng = np.random.default_rng(10)
+    m = Measurement()
+    for i in range(60):  # real storage bits; error falls with bits, with per-tensor sensitivity
+        t = TensorRecord(f"model.layers.{i}.self_attn.o_proj", (64, 256), importance=float(rng.uniform(0.2, 3)))
+        for opt in whole + mixed:
+            err = float(rng.uniform(0.5, 1.5)) * 2.0 ** -opt.nominal_bpw()
+            bits = opt.storage_bits(t.shape)
+            t.options.append(OptionRecord(opt, bits / t.numel, bits, err))
+        m.tensors[t.key] = t
+    lo4 = sum(t.find(QuantOption.uniform(4, 64)).total_bits for t in m.tensors.values())
+    hi5 = sum(t.find(QuantOption.uniform(5, 64)).total_bits for t in m.tensors.values())
+    n = m.numel()
+    target = (lo4 + hi5) / 2 / n
+    ours = optimize(m, target)
+    greedy = baselines.greedy_single_pass(m, target)
+    dq = baselines.dynamic_quant_threshold(m, target)
+    for plan in (ours, greedy, dq):
+        assert plan.used_bits <= math.floor(target * n)
+    assert {e.option for e in dq.tensors} == {"1.0:4b_64g", "1.0:5b_64g"}
+    assert "60/60 items had both measured" in dq.settings["baseline"]
+    with pytest.raises(ValueError, match="two-level range"):
+        baselines.dynamic_quant_threshold(m, 1.01 * hi5 / n)
+    assert ours.objective <= greedy.objective * (1 + 1e-12)
+    assert ours.objective < dq.objective

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 from click.testing import CliRunner
 
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.evaluation import metrics as evaluate
 
 COMMANDS = ["info", "perplexity", "measure", "optimize", "convert", "inspect", "eval", "generate", "verify"]

@@ -12,7 +12,8 @@ import pytest
 
 import mlx_dq
 from mlx_dq.conversion.pipeline import convert, quantize_model
-from mlx_dq.conversion.report import bit_map, read_manifest
+from mlx_dq.conversion.report import bit_map
+from mlx_dq.conversion.writer import read_manifest
 from mlx_dq.model.capture import quantizable_modules
 from mlx_dq.model.sources import build_model, resolve
 
@@ -137,8 +138,9 @@ def test_read_manifest_rejects_foreign_json(tmp_path):
 
 @pytest.mark.parametrize("method", ["gptq", "rtn"])
 def test_promoted_mixed_tensors_are_lossless_and_uniform(method):
-    from mlx_dq.conversion.pipeline import quantize_tensor
+    from mlx_dq.quant.dispatch import quantize_tensor
     from mlx_dq.quant.options import QuantOption
+    from mlx_dq.quant.spec import QuantizerSpec
 
     mx.random.seed(3)
     w = mx.random.normal((64, 256))
@@ -146,8 +148,8 @@ def test_promoted_mixed_tensors_are_lossless_and_uniform(method):
     gram = x.T @ x
     for desc in ["0.25:4b_32g/0.75:3b_64g", "0.5:6b_64g/0.5:2b_32g"]:
         opt = QuantOption.parse(desc)
-        mixed = quantize_tensor(w, opt, gram, method=method)
-        promoted = quantize_tensor(w, opt, gram, method=method, promote=True)
+        mixed = quantize_tensor(w, opt, gram, QuantizerSpec(method=method))
+        promoted = quantize_tensor(w, opt, gram, QuantizerSpec(method=method, promote_mixed=True))
         assert not promoted.option.is_mixed and promoted.perm is None
         assert promoted.option.segments[0].bits == opt.segments[0].bits
         assert promoted.nbytes() * 8 == promoted.option.storage_bits(w.shape)

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import mlx_dq
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.conversion.distill import distill
 from mlx_dq.conversion.pipeline import convert
 from mlx_dq.data import calib

@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 from fixtures_models import make_tiny_model_folder
 
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.measure.records import OptionRecord, TensorRecord, load_measurement
 from mlx_dq.measure.stream import measure, strip_timing
 from mlx_dq.quant.options import QuantOption
@@ -247,22 +247,22 @@ def test_options_are_shared_by_their_measured_seconds(monkeypatch):
 
     import mlx.nn as nn
 
-    from mlx_dq.measure import stream as measure_mod
+    from mlx_dq.measure import run as run_mod
     from mlx_dq.settings import MeasureSettings
 
     monkeypatch.setattr(dist, "active", lambda: True)
     monkeypatch.setattr(dist, "size", lambda: 2)
     opts = [QuantOption.parse(d) for d in ("1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "1.0:8b_64g")]
     mods = {"model.layers.1.mlp.down_proj": nn.Linear(64, 32, bias=False)}
-    run = SimpleNamespace(grid_map={measure_mod.role_of("model.layers.1.mlp.down_proj"): opts}, rates={},
+    run = SimpleNamespace(grid_map={run_mod.role_of("model.layers.1.mlp.down_proj"): opts}, rates={},
                           s=MeasureSettings(), clip=True)
-    rough = measure_mod._share_options(run, mods)  # no timings yet: the rough model's equal costs, 2 and 2
+    rough = run_mod.share_options(run, mods)  # no timings yet: the rough model's equal costs, 2 and 2
     assert sorted(rough.values()) == [0, 0, 1, 1]
     # one option measured 3x slower than the others: it gets a rank to itself
     timings = {"model.layers.1.mlp.down_proj": {"1.0:2b_64g": 3.0, "1.0:3b_64g": 1.0, "1.0:4b_64g": 1.0,
                                                   "1.0:8b_64g": 1.0}}
     monkeypatch.setattr(dist, "gather_objects", lambda obj: [obj])
-    measure_mod._learn_rates(run, mods, timings)
-    timed = measure_mod._share_options(run, mods)
+    run_mod.learn_rates(run, mods, timings)
+    timed = run_mod.share_options(run, mods)
     slow = timed[("model.layers.1.mlp.down_proj", "1.0:2b_64g")]
     assert [r for (_, d), r in timed.items() if d != "1.0:2b_64g"] == [1 - slow] * 3

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from fixtures_models import make_tiny_model_folder
 
 import mlx_dq
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.conversion import card, hub
 from mlx_dq.model.capture import quantizable_modules
 from mlx_dq.model.sources import build_model, resolve
@@ -199,8 +199,8 @@ def test_card_carries_source_fields_method_bit_map_command_and_loading(carded_so
 
 def test_card_from_cli_records_the_exact_command(carded_source, tmp_path):
     plan = tmp_path / "recipe.json"
-    from mlx_dq.conversion.pipeline import plan_from_options
-    from mlx_dq.plan.optimize import save_plan
+    from mlx_dq.conversion.resolve import plan_from_options
+    from mlx_dq.plan.plan import save_plan
 
     save_plan(plan_from_options(_recipe(carded_source, False), resolve(str(carded_source))), plan)
     out = tmp_path / "cli-out"

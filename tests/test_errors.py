@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 from fixtures_models import make_tiny_model_folder
 
-from mlx_dq.cli.commands import _announce, main
+from mlx_dq.cli import main
+from mlx_dq.cli.estimate import announce
 from mlx_dq.errors import InputError, MlxDqError
 from mlx_dq.runtime import openblas, threads
 
@@ -154,7 +155,7 @@ def test_first_run_without_openblas_says_what_to_install(monkeypatch, folders, t
     monkeypatch.delenv(openblas.OPT_OUT_VAR, raising=False)
     monkeypatch.setenv("LD_PRELOAD", "")
     monkeypatch.setenv(openblas.PATH_VAR, str(tmp_path / "no-libopenblas.so"))
-    _announce(str(folders["good"]), "measure", rows=2, seq_len=16, method="rtn", kl_scale=False, sample_rows=0)
+    announce(str(folders["good"]), "measure", rows=2, seq_len=16, method="rtn", kl_scale=False, sample_rows=0)
     line = capsys.readouterr().err.strip()
     assert line.count("\n") == 0 and line.startswith("mlx_dq: expected: about ")
     assert f"`{openblas.INSTALL}` would make it about " in line
@@ -162,5 +163,5 @@ def test_first_run_without_openblas_says_what_to_install(monkeypatch, folders, t
                  "--flops", "1e9")
     assert result.exit_code == 0 and openblas.INSTALL in result.output.splitlines()[-1], result.output
     monkeypatch.setenv(openblas.PATH_VAR, str(folders["good"] / "config.json"))  # a file there: nothing to say
-    _announce(str(folders["good"]), "measure", rows=2, seq_len=16, method="rtn", kl_scale=False, sample_rows=0)
+    announce(str(folders["good"]), "measure", rows=2, seq_len=16, method="rtn", kl_scale=False, sample_rows=0)
     assert openblas.INSTALL not in capsys.readouterr().err

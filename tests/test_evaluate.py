@@ -177,7 +177,7 @@ def quantized_folder(tiny_llama, tmp_path_factory):
 def test_eval_cli_on_an_mlx_lm_folder(quantized_folder, tiny_llama):
     from click.testing import CliRunner
 
-    from mlx_dq.cli.commands import main
+    from mlx_dq.cli import main
 
     args = ["eval", str(quantized_folder), "--base", str(tiny_llama), "--rows", "2", "--seq-len", "16", "--no-speed"]
     res = CliRunner().invoke(main, args)
@@ -193,7 +193,7 @@ def test_eval_cli_writes_results_into_the_manifest(tiny_llama, tmp_path):
     from click.testing import CliRunner
 
     conv = pytest.importorskip("mlx_dq.conversion.pipeline")
-    from mlx_dq.cli.commands import main
+    from mlx_dq.cli import main
 
     out = tmp_path / "dq"
     conv.convert(str(tiny_llama), out, bpw=4.0, rows=2, seq_len=16, progress=False)
@@ -213,7 +213,7 @@ def test_eval_cli_writes_results_into_the_manifest(tiny_llama, tmp_path):
 def test_eval_cli_refuses_a_missing_model(tmp_path):
     from click.testing import CliRunner
 
-    from mlx_dq.cli.commands import main
+    from mlx_dq.cli import main
 
     res = CliRunner().invoke(main, ["eval", str(tmp_path / "nowhere"), "--no-speed"])
     assert res.exit_code != 0 and "nowhere" in res.output

@@ -2,7 +2,7 @@
 
 The references below are the plain formulations (``mx.round`` rounding, the
 dequantized value computed per weight, the GPTQ column step through
-:func:`mlx_dq.quant.gptq.codes_f16` / :func:`mlx_dq.quant.gptq.dequant_f16`); the fast paths
+``_codes_f16`` / ``_dequant_f16`` below, numpy's conversions); the fast paths
 must give bit-identical codes, scales, biases and errors.
 """
 
@@ -14,17 +14,33 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_dq.quant.affine as quant
-from mlx_dq.quant import gptq
-from mlx_dq.quant.affine import clip_search, clipped_rint, gram_weights
-from mlx_dq.quant.gptq import (
-    choose_group_params,
-    codes_f16,
-    dequant_f16,
-    factor_hessian,
-    gptq_core,
-)
+import mlx_dq.quant.scale_search as quant
+from mlx_dq.quant import scale_search as gptq
+from mlx_dq.quant import storage
+from mlx_dq.quant.affine import act_order
+from mlx_dq.quant.gptq_core import gptq_core, group_layout
+from mlx_dq.quant.hessian import factor_hessian
 from mlx_dq.quant.options import QuantOption
+from mlx_dq.quant.scale_search import choose_group_params, clip_search, gram_weights
+from mlx_dq.quant.spec import QuantizerSpec
+from mlx_dq.quant.storage import clipped_rint
+
+
+def _codes_f16(w, scales, biases, bits):
+    """Nearest codes of float32 ``w`` for fp16 ``scales``/``biases`` (broadcast), clipped to ``bits``: the plain form."""
+    s = np.asarray(scales, dtype=np.float32)
+    b = np.asarray(biases, dtype=np.float32)
+    safe = np.where(s == 0, 1.0, s)
+    q = np.clip(np.rint((w - b) / safe), 0, (1 << bits) - 1)
+    return np.where(s == 0, 0.0, q).astype(np.float32)
+
+
+def _dequant_f16(q, scales, biases):
+    """``mx.dequantize``'s values for fp16 ``scales``/``biases``, rounded by numpy's fp16 conversions."""
+    s = np.asarray(scales, dtype=np.float32)
+    b = np.asarray(biases, dtype=np.float32)
+    prod = (s * q).astype(np.float16).astype(np.float32)
+    return (prod + b).astype(np.float16).astype(np.float32)
 
 
 def test_clipped_rint_equals_clipped_round() -> None:
@@ -47,7 +63,7 @@ def _reference_candidate_error(w, target, scale, bias, code_scale, weight, n_bin
     """The per-weight formulation: codes by mx.round, both roundings applied to every weight."""
     s, b = scale[..., None], bias[..., None]
     q = mx.clip(mx.round((w - b) / code_scale[..., None]), 0.0, n_bins)
-    deq = quant._round_to(quant._round_to(s * q, dtype) + b, dtype)
+    deq = storage.round_to(storage.round_to(s * q, dtype) + b, dtype)
     return quant._group_error(deq - target, weight, metric)
 
 
@@ -71,7 +87,7 @@ def _reference_clip_search(w, bits, target, weight, metric, dtype, factors=quant
     err_fn = _reference_error_fn(n_bins, dtype, metric, weight is not None)
     extra = () if weight is None else (weight,)
     wmin, wmax = w.min(-1), w.max(-1)
-    scale, bias = quant.affine_params(wmin, wmax, bits)
+    scale, bias = storage.affine_params(wmin, wmax, bits)
     best_s, best_b, best_cs = scale.astype(dtype), bias.astype(dtype), scale
     base_err = err_fn(w, target, best_s.astype(mx.float32), best_b.astype(mx.float32), best_cs, *extra)
     best_err, best_f, best_lo, best_hi = base_err, mx.zeros_like(base_err), wmin, wmax
@@ -80,9 +96,9 @@ def _reference_clip_search(w, bits, target, weight, metric, dtype, factors=quant
             lo = mx.where(wmin < 0, wmin * f, wmin).astype(dtype).astype(mx.float32)
             hi = mx.where(wmax > 0, wmax * f, wmax).astype(dtype).astype(mx.float32)
             if rule == "edge":
-                s, b = quant.affine_params(lo, hi, bits)
+                s, b = storage.affine_params(lo, hi, bits)
             else:
-                s, b = mx.maximum((hi - lo) / n_bins, quant._EPS), lo
+                s, b = mx.maximum((hi - lo) / n_bins, storage.EPS), lo
             s, b = s.astype(dtype), b.astype(dtype)
             sf = s.astype(mx.float32)
             err = err_fn(w, target, sf, b.astype(mx.float32), sf, *extra)
@@ -139,7 +155,7 @@ def _reference_gptq_core(w, gram, option, order, *, static_groups, process_order
     """GPTQ's column loop in its plain form (the codes and values from codes_f16 / dequant_f16 per column)."""
     w = np.asarray(w, dtype=np.float32)
     nb, rows, k = w.shape
-    groups = gptq._group_layout(option, k)
+    groups = group_layout(option, k)
     gid = np.empty(k, dtype=np.int64)
     for i, (g0, gs, _) in enumerate(groups):
         gid[g0:g0 + gs] = i
@@ -190,8 +206,8 @@ def _reference_gptq_core(w, gram, option, order, *, static_groups, process_order
                 params_for(wt_[:, p:p + gsz, :].transpose(0, 2, 1), g, 1, gsz, int(g_bits[g]))
             s, bi = scales[g].astype(np.float32), biases[g].astype(np.float32)
             col = wt_[:, p, :]
-            q = codes_f16(col, s, bi, int(g_bits[g]))
-            dq = dequant_f16(q, s, bi)
+            q = _codes_f16(col, s, bi, int(g_bits[g]))
+            dq = _dequant_f16(q, s, bi)
             raw = np.rint((col - bi) / np.where(s == 0, 1.0, s))
             clipped += int(np.count_nonzero(((raw < 0) | (raw > q_max[g])) & (s != 0)))
             codes[:, sp, :] = q
@@ -216,9 +232,9 @@ def test_gptq_core_equals_reference(desc, static) -> None:
     x = rng.standard_normal((1024, in_f)).astype(np.float32) * np.exp(rng.standard_normal(in_f)).astype(np.float32)
     gram = (x.T @ x)[None]
     opt = QuantOption.parse(desc)
-    energy = quant.act_order(in_f, mx.array(gram))
+    energy = act_order(in_f, mx.array(gram))
     order, process = (energy, None) if opt.is_mixed else (np.arange(in_f), energy if static else None)
-    res = gptq_core(w, gram, opt, order, static_groups=static, process_order=process, block_size=48)
+    res = gptq_core(w, gram, opt, order, QuantizerSpec(block_size=48), static_groups=static, process_order=process)
     ref = _reference_gptq_core(w, gram, opt, order, static_groups=static, process_order=process, block_size=48)
     assert np.array_equal(res.codes, ref[0])
     assert np.array_equal(res.scales, ref[1]) and np.array_equal(res.biases, ref[2])
@@ -289,7 +305,7 @@ BLOCK_CASES = [(method, clip, desc, kind)
 @pytest.mark.parametrize("method,clip,desc,kind", BLOCK_CASES)
 def test_measure_in_row_blocks_equals_one_piece(method, clip, desc, kind, monkeypatch) -> None:
     """Row blocks give the one-piece codes bit for bit, errors to float rounding and the same clip counts."""
-    from mlx_dq.measure import stream as measure_mod
+    from mlx_dq.measure import tensor as tensor_mod
     from mlx_dq.model.capture import InputStats
     from mlx_dq.quant import dispatch as quantize_mod
 
@@ -310,7 +326,7 @@ def test_measure_in_row_blocks_equals_one_piece(method, clip, desc, kind, monkey
     def run(budget: int | None):
         seen = []
         monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", budget or 2**40)
-        rec = measure_mod.measure_tensor("t", w, opts, stats, "default", lookup=lookup, clip=clip, method=method,
+        rec = tensor_mod.measure_tensor("t", w, opts, stats, "default", lookup=lookup, clip=clip, method=method,
                                          damage_fn=lambda wq: seen.append(np.array(wq)) or 0.0)
         return rec.options[0], seen[0]
 
@@ -343,8 +359,8 @@ def test_quantize_rows_equals_one_piece(method, clip, desc, promote, bank, monke
     x = rng.standard_normal((512, in_f)).astype(np.float32) * rng.uniform(0.1, 4.0, in_f).astype(np.float32)
     gram = mx.array(x.T @ x)
     opt = QuantOption.parse(desc)
-    kw = dict(method=method, clip=clip, promote=promote)
-    one = quantize_mod.quantize_tensor(w, opt, gram, **kw)
+    spec = QuantizerSpec(method=method, clip=clip, promote_mixed=promote)
+    one = quantize_mod.quantize_tensor(w, opt, gram, spec)
     monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * in_f * 70 * (2 if bank else 1))
     assert quantize_mod.row_blocks(shape) is not None
     threads, orig = [], quantize_mod.quantize_tensor
@@ -355,7 +371,7 @@ def test_quantize_rows_equals_one_piece(method, clip, desc, promote, bank, monke
 
     monkeypatch.setattr(quantize_mod, "quantize_tensor", spy)
     monkeypatch.setenv("MLX_DQ_THREADS", "2")
-    blocked = quantize_mod.quantize_rows(w, opt, gram, **kw)
+    blocked = quantize_mod.quantize_rows(w, opt, gram, spec)
     # the blocks after the first on worker threads, each half the single-thread budget (70 rows)
     assert len(threads) == len(quantize_mod.row_blocks(shape, quantize_mod.ROW_BLOCK_BYTES // 2)) == 9
     assert len(set(threads)) > 1

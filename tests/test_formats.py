@@ -16,7 +16,7 @@ from fixtures_models import save_tokenizer, tiny_tokenizer
 from mlx.utils import tree_flatten
 from seeds import seed_path
 
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.formats import dashq, detect, dynquant, mlx_kept16
 from mlx_dq.formats.common import map_names, modules_for, storable_option
 from mlx_dq.measure.records import (
@@ -27,7 +27,8 @@ from mlx_dq.measure.records import (
     save_measurement,
 )
 from mlx_dq.model.sources import build_model
-from mlx_dq.plan.optimize import load_plan, optimize
+from mlx_dq.plan.plan import load_plan
+from mlx_dq.plan.solver import optimize
 from mlx_dq.quant.options import QuantOption
 
 SCHEMA = Path(__file__).resolve().parents[1] / "mlx_dq" / "schemas" / "manifest.schema.json"

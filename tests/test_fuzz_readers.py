@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 from fixtures_models import make_tiny_model_folder
 
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.measure.stream import measure
 
 SEED = 1234

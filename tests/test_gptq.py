@@ -6,15 +6,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dq.quant.affine import act_order, pack_codes, quantize_weight
-from mlx_dq.quant.gptq import (
-    factor_hessian,
-    gptq_core,
-    gptq_quantize,
-    gptq_quantize_many,
-    refine_group_params,
-)
+from mlx_dq.quant.affine import act_order, quantize_weight
+from mlx_dq.quant.gptq import gptq_quantize, gptq_quantize_many
+from mlx_dq.quant.gptq_core import gptq_core
+from mlx_dq.quant.hessian import factor_hessian
 from mlx_dq.quant.options import QuantOption
+from mlx_dq.quant.scale_search import refine_group_params
+from mlx_dq.quant.spec import QuantizerSpec
+from mlx_dq.quant.storage import pack_codes
 
 UNIFORM = ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_32g", "1.0:4b_128g"]
 MIXED = ["0.25:4b_32g/0.75:3b_64g", "0.1:6b_128g/0.9:2b_32g", "0.3:8b_64g/0.3:4b_32g/0.4:2b_64g"]
@@ -47,7 +46,7 @@ def test_gptq_beats_rounding(layer, desc):
     opt = QuantOption.parse(desc)
     rtn = quantize_weight(mx.array(w), opt, mx.array(gram), clip=False)
     rtn_clip = quantize_weight(mx.array(w), opt, mx.array(gram), clip=True)
-    plain = gptq_quantize(w, opt, gram, clip=False, weighted_scales=False)
+    plain = gptq_quantize(w, opt, gram, QuantizerSpec(clip=False, weighted_scales=False))
     full = gptq_quantize(w, opt, gram)
     e_rtn = _out_err(x, w, np.array(rtn.dequantize()))
     e_clip = _out_err(x, w, np.array(rtn_clip.dequantize()))
@@ -64,7 +63,7 @@ def test_conditional_scale_weights(layer, desc):
     w, x, gram = layer
     opt = QuantOption.parse(desc)
     rtn_clip = quantize_weight(mx.array(w), opt, mx.array(gram), clip=True)
-    qt = gptq_quantize(w, opt, gram, scale_weight="gptq")
+    qt = gptq_quantize(w, opt, gram, QuantizerSpec(scale_weight="gptq"))
     assert qt.stats["scale_weight"] == "gptq"
     assert _out_err(x, w, np.array(qt.dequantize())) < _out_err(x, w, np.array(rtn_clip.dequantize()))
 
@@ -162,10 +161,10 @@ def test_expert_bank_matches_per_expert_calls():
     grams = np.stack([x.T @ x for x in xs])
     opt = QuantOption.uniform(3, 32)
     # natural order: a bank shares one processing order, a single expert would use its own act-order
-    bank = gptq_quantize(np.stack(ws), opt, grams, act_order=False)
+    bank = gptq_quantize(np.stack(ws), opt, grams, QuantizerSpec(act_order=False))
     dq = np.array(bank.dequantize())
     for e in range(n_exp):
-        single = np.array(gptq_quantize(ws[e], opt, grams[e], act_order=False).dequantize())
+        single = np.array(gptq_quantize(ws[e], opt, grams[e], QuantizerSpec(act_order=False)).dequantize())
         assert np.mean(dq[e] != single) < 0.01
 
 
@@ -192,11 +191,11 @@ def test_keep16_and_bad_input(layer):
     with pytest.raises(ValueError, match="does not fit"):
         gptq_quantize(w[:, :96], QuantOption.uniform(4, 64), gram[:96, :96])
     with pytest.raises(ValueError, match="damp"):
-        gptq_quantize(w, opt, gram, damp=-1.0)
+        gptq_quantize(w, opt, gram, QuantizerSpec(damp=-1.0))
     with pytest.raises(ValueError, match="block_size"):
-        gptq_quantize(w, opt, gram, block_size=0)
+        gptq_quantize(w, opt, gram, QuantizerSpec(block_size=0))
     with pytest.raises(ValueError, match="scale_weight"):
-        gptq_quantize(w, opt, gram, scale_weight="energy")
+        gptq_quantize(w, opt, gram, QuantizerSpec(scale_weight="energy"))
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +247,8 @@ def test_factor_cache_reused_across_options(layer):
         fresh = gptq_quantize(w, opt, gram)
         np.testing.assert_array_equal(np.array(cached.dequantize()), np.array(fresh.dequantize()))
     assert len(cache) == 1  # act-ordered uniform and mixed options process channels in one sequence
-    gptq_quantize(w, QuantOption.uniform(3, 64), gram, act_order=False, factor_cache=cache)
-    gptq_quantize(w, QuantOption.uniform(3, 64), gram, damp=0.3, factor_cache=cache)
+    gptq_quantize(w, QuantOption.uniform(3, 64), gram, QuantizerSpec(act_order=False), factor_cache=cache)
+    gptq_quantize(w, QuantOption.uniform(3, 64), gram, QuantizerSpec(damp=0.3), factor_cache=cache)
     assert len(cache) == 3
     wrong = factor_hessian(gram, np.arange(gram.shape[0]))
     with pytest.raises(ValueError, match="sequence"):
@@ -328,7 +327,6 @@ def test_factor_is_the_inverse_cholesky_in_little_memory(monkeypatch):
     """U^T U equals the damped, reordered H^-1; factorising holds one k x k MLX array (the factor) and bounded
     chunks besides the Gram, by blocks of columns."""
     from mlx_dq.quant import linalg
-    from mlx_dq.quant.gptq import damped_hessian
 
     k = 640
     monkeypatch.setattr(linalg, "BLOCK", 64)  # ten column blocks (a panel is 10% of the matrix)
@@ -342,10 +340,12 @@ def test_factor_is_the_inverse_cholesky_in_little_memory(monkeypatch):
     f = factor_hessian(gram, seq, 0.1)
     grown = mx.get_peak_memory() - before
     assert grown <= 1.3 * k * k * 4, grown / (k * k * 4)  # MLX's cholesky + tri_inv on a copy: 3.0
-    h, _ = damped_hessian(np.asarray(gram)[np.ix_(seq, seq)][None], 0.1)
+    h = np.asarray(gram)[np.ix_(seq, seq)].astype(np.float64)  # the damped H, in float64
+    d = np.where(np.diag(h) <= 0, 1.0, np.diag(h))
+    h[np.diag_indices(k)] = d + 0.1 * d.mean()
     u = f.u[0].astype(np.float64)
     assert np.allclose(np.triu(u), u) and np.all(np.diag(u) > 0)
-    inv = np.linalg.inv(h[0].astype(np.float64))
+    inv = np.linalg.inv(h)
     assert np.abs(u.T @ u - inv).max() <= 1e-4 * np.abs(inv).max()
     assert f.u_mx is not None and np.shares_memory(np.asarray(f.u_mx), f.u)
 
@@ -383,7 +383,7 @@ def test_blocked_factor_and_inverse_in_place(k, block, monkeypatch):
 
 def test_group_parameters_in_row_chunks_equal_one_call(monkeypatch, layer):
     """The scale search runs on bounded chunks of rows; rows are independent, so the parameters are the same."""
-    import mlx_dq.quant.gptq as gq
+    import mlx_dq.quant.scale_search as gq
 
     w, _, gram = layer
     wg = w.reshape(1, w.shape[0], -1, 32)
@@ -400,7 +400,7 @@ def test_group_parameters_on_threads_equal_one_thread(monkeypatch, layer, clip):
     """Called from the main thread, the chunks of rows run on worker threads: the same parameters as on one."""
     import threading
 
-    import mlx_dq.quant.gptq as gq
+    import mlx_dq.quant.scale_search as gq
 
     w, _, gram = layer
     wg = w.reshape(1, w.shape[0], -1, 32)
@@ -428,8 +428,7 @@ def test_group_parameters_on_threads_equal_one_thread(monkeypatch, layer, clip):
 def test_unclipped_group_parameters_skip_the_scoring_with_the_same_values(layer, bits):
     """Without clip factors the search's start is MLX's range rule, as ``clip_search`` with no factors chooses,
     and as ``mx.quantize`` stores for the fp16 weights."""
-    from mlx_dq.quant.affine import clip_search
-    from mlx_dq.quant.gptq import choose_group_params
+    from mlx_dq.quant.scale_search import choose_group_params, clip_search
 
     w = layer[0]
     wg = w.reshape(1, w.shape[0], -1, 64)
@@ -445,7 +444,7 @@ def test_unclipped_group_parameters_skip_the_scoring_with_the_same_values(layer,
 def test_gptq_column_copy_and_output_error_on_threads_equal_one_thread(monkeypatch, layer, act):
     """The column-major copy (pieces of rows) and the output error (pieces of channels) run on worker threads from
     the main thread: the same codes and the same per-row errors, bit for bit, as on one thread."""
-    import mlx_dq.quant.gptq as gq
+    import mlx_dq.quant.gptq_core as gq
 
     w, _, gram = layer
     opt = QuantOption.parse("1.0:4b_32g")
@@ -479,7 +478,7 @@ def _gram_rows(w: np.ndarray, wq: np.ndarray, gram: np.ndarray) -> np.ndarray:
 def test_known_row_errors_equal_the_gram_form(layer, desc, act_order):
     """GPTQ's own errors give each row's ``d G d^T`` (so meters skip the ``rows x in^2`` product)."""
     w, _, gram = layer
-    qt = gptq_quantize(w, QuantOption.parse(desc), gram, act_order=act_order)
+    qt = gptq_quantize(w, QuantOption.parse(desc), gram, QuantizerSpec(act_order=act_order))
     ref = _gram_rows(w, np.array(qt.dequantize()), gram)
     assert qt.out_sq.shape == (w.shape[0],)
     np.testing.assert_allclose(qt.out_sq, ref, rtol=1e-5, atol=1e-9 * ref.max())
@@ -511,14 +510,15 @@ def test_known_row_errors_with_banks_dead_channels_and_row_blocks(monkeypatch, l
 
 def test_spans_of_blocks_give_the_one_block_at_a_time_result(monkeypatch, layer):
     """Columns beyond a span are updated once per span: the same quantization up to float rounding."""
-    import mlx_dq.quant.gptq as gq
+    import mlx_dq.quant.gptq_core as gq
 
     w, x, gram = layer
     results = {}
     for span in (32, 96, 10**6):  # a span per block (the plain order of updates), three blocks, one span
         monkeypatch.setattr(gq, "SPAN_COLUMNS", span)
         for desc in ("1.0:3b_32g", "0.25:4b_32g/0.75:3b_64g"):
-            results[span, desc] = np.array(gptq_quantize(w, QuantOption.parse(desc), gram, block_size=32).dequantize())
+            qt = gptq_quantize(w, QuantOption.parse(desc), gram, QuantizerSpec(block_size=32))
+            results[span, desc] = np.array(qt.dequantize())
     for desc in ("1.0:3b_32g", "0.25:4b_32g/0.75:3b_64g"):
         base = results[32, desc]
         for span in (96, 10**6):
@@ -530,7 +530,7 @@ def test_sub_blocks_give_the_column_by_column_result(monkeypatch, layer):
     """Within a block, columns update each other one by one only inside sub-blocks; a sub-block's errors reach the
     rest of the block in one product. Sub-blocks of 24 columns cut groups of 32 chosen as their columns come up, so
     they also end at each group's first column: the same quantization up to float rounding."""
-    import mlx_dq.quant.gptq as gq
+    import mlx_dq.quant.gptq_core as gq
 
     w, x, gram = layer
     assert gq._sub_blocks(0, 64, None) == [16, 32, 48, 64]
@@ -539,7 +539,8 @@ def test_sub_blocks_give_the_column_by_column_result(monkeypatch, layer):
     for sub in (128, 24, 1):  # the whole block column by column (no products), sub-blocks across groups, none
         monkeypatch.setattr(gq, "SUB_COLUMNS", sub)
         for desc in ("1.0:3b_32g", "0.25:4b_32g/0.75:3b_32g"):
-            results[sub, desc] = np.array(gptq_quantize(w, QuantOption.parse(desc), gram, block_size=64).dequantize())
+            qt = gptq_quantize(w, QuantOption.parse(desc), gram, QuantizerSpec(block_size=64))
+            results[sub, desc] = np.array(qt.dequantize())
     for desc in ("1.0:3b_32g", "0.25:4b_32g/0.75:3b_32g"):
         base = results[128, desc]
         for sub in (24, 1):
@@ -607,11 +608,11 @@ def test_consumed_gram_becomes_the_same_factor(rank, damp, monkeypatch):
     gram_np = x.T @ x
     w = mx.array(rng.standard_normal((24, k)).astype(np.float32))
     opts = [QuantOption.parse("1.0:4b_32g"), QuantOption.parse("0.5:4b_32g/0.5:3b_32g")]
-    plain = [gptq_quantize_many(w, [o], mx.array(gram_np), damp=damp, factor_cache={})[0] for o in opts]
+    plain = [gptq_quantize_many(w, [o], mx.array(gram_np), QuantizerSpec(damp=damp), factor_cache={})[0] for o in opts]
     gram = mx.array(gram_np)
     mx.eval(gram)
     cache: dict = {}
-    stand_in = consume_gram(gram, cache, damp)
+    stand_in = consume_gram(gram, cache, QuantizerSpec(damp=damp))
     assert isinstance(stand_in, FactoredGram) and stand_in.shape == (1, k, k)
     (f,) = cache.values()
     assert np.shares_memory(f.u, np.asarray(gram))
@@ -622,13 +623,14 @@ def test_consumed_gram_becomes_the_same_factor(rank, damp, monkeypatch):
         assert f.extra_damp == fresh.extra_damp > 0
         assert np.abs(f.u - fresh.u).max() <= 1e-3 * np.abs(fresh.u).max()
     for o, ref in zip(opts, plain):
-        got = gptq_quantize_many(w, [o], stand_in, damp=damp, factor_cache=cache, error_stats=False)[0]
+        got = gptq_quantize_many(w, [o], stand_in, QuantizerSpec(damp=damp), factor_cache=cache, error_stats=False)[0]
         if rank is None:
             assert all(np.array_equal(np.asarray(a), np.asarray(b)) for pa, pb in zip(got.parts, ref.parts)
                        for a, b in zip(pa, pb))
             assert np.allclose(got.out_sq, ref.out_sq, rtol=1e-6)
     with pytest.raises(ValueError, match="consumed"):
-        gptq_quantize_many(w, [opts[0]], stand_in, damp=damp + 0.1, factor_cache=cache, error_stats=False)
+        gptq_quantize_many(w, [opts[0]], stand_in, QuantizerSpec(damp=damp + 0.1), factor_cache=cache,
+                           error_stats=False)
     with pytest.raises(AttributeError):
         stand_in.astype(mx.float32)
 
@@ -636,23 +638,23 @@ def test_consumed_gram_becomes_the_same_factor(rank, damp, monkeypatch):
 def test_factor_finiteness_is_checked_by_row_chunks(monkeypatch):
     """The factor's finiteness check reads a chunk of rows at a time (no k x k bool array) and still sees a bad
     entry anywhere, in any matrix of a batch."""
-    from mlx_dq.quant import gptq, linalg
+    from mlx_dq.quant import hessian, linalg
 
     monkeypatch.setattr(linalg, "CHUNK_FLOATS", 3 * 10)  # 3 rows of a 10-wide matrix per chunk
     a = np.ones((2, 10, 10), dtype=np.float32)
-    assert gptq._all_finite(a)
+    assert hessian._all_finite(a)
     for idx in [(0, 0, 0), (1, 9, 9), (1, 5, 2)]:
         b = a.copy()
         b[idx] = np.nan if idx[2] % 2 else np.inf
-        assert not gptq._all_finite(b)
+        assert not hessian._all_finite(b)
 
 
 def test_fp16_rounding_by_arithmetic_gives_the_conversions_values(monkeypatch):
     """The column loop's dequantized values rounded to fp16 by float32 arithmetic are those of numpy's fp16
-    conversions (dequant_f16, used where values could reach the end of fp16's range: forced here by a limit of 0),
+    conversions (storage.round_to without scratch, used where values could reach the end of fp16's range: forced here by a limit of 0),
     bit for bit: the same codes and values, for act-ordered uniform options of several widths batched, mixed
     options and zero-scale groups (an all-zero group of columns)."""
-    import mlx_dq.quant.gptq as gq
+    import mlx_dq.quant.gptq_core as gq
 
     w, x = _problem(48, 256, 600, 11)
     w[:, 64:96] = 0.0  # groups of 32 whose scale is 0
@@ -673,7 +675,7 @@ def test_round_f16_matches_numpys_conversion():
     in fp16's normal range of every binade and sign, ties between fp16 neighbours (to even), products of fp16 scales
     (subnormal ones too) and codes, and float32 sums of two fp16 values (down to cancellations into the subnormal
     range). The test fails if the split keeps a bit more or less."""
-    import mlx_dq.quant.gptq as gq
+    from mlx_dq.quant import storage
 
     rng = np.random.default_rng(5)
     n = 200_000
@@ -691,7 +693,7 @@ def test_round_f16_matches_numpys_conversion():
     x = np.concatenate([x, ties, prods, sums]).reshape(4, -1)
     x = x * (np.abs(x) < 6e4)
     want = x.astype(np.float16).astype(np.float32)
-    got = gq._round_f16(x.copy(), np.empty_like(x), np.empty_like(x))
+    got = storage.round_to(x.copy(), np.float16, scratch=(np.empty_like(x), np.empty_like(x)))
     assert np.array_equal(got, want)
     assert np.count_nonzero(want != x) > x.size // 4  # most inputs are not fp16 values already
     assert np.count_nonzero((np.abs(want) < 2.0**-14) & (want != 0)) > 1000  # the subnormal range is reached

@@ -19,9 +19,9 @@ import pytest
 from cli_checks import cli, one_error_line
 from fixtures_models import make_tiny_model_folder
 
-from mlx_dq.conversion.pipeline import plan_from_options
+from mlx_dq.conversion.resolve import plan_from_options
 from mlx_dq.model.sources import resolve
-from mlx_dq.plan.optimize import save_plan
+from mlx_dq.plan.plan import save_plan
 
 CALIB = ["--rows", "2", "--seq-len", "16", "--method", "rtn", "--no-clip"]
 EVAL = ["--rows", "1", "--seq-len", "8", "--batch-size", "1", "--no-speed", "--no-write"]
@@ -175,7 +175,7 @@ def test_inspect_summarizes_a_measurement_file(made, tmp_path):
             method="rtn", kl_scale=False, progress=False)
     r = cli("inspect", m)
     assert r.exit_code == 0, r.output
-    assert "mlx_dq.measure.records measurement" in r.output
+    assert "mlx_dq.measurement measurement" in r.output
 
 
 def test_upload_runs_the_checks_of_verify(made, tmp_path, monkeypatch):

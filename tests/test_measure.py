@@ -18,13 +18,10 @@ from fixtures_models import (
 
 from mlx_dq.data import calib
 from mlx_dq.evaluation.metrics import perplexity
-from mlx_dq.measure.stream import (
-    measure,
-    measure_module,
-    reference_option,
-    robust_energy,
-    strip_timing,
-)
+from mlx_dq.measure.importance import robust_energy
+from mlx_dq.measure.model_kl import measure_module
+from mlx_dq.measure.stream import measure, strip_timing
+from mlx_dq.measure.tensor import reference_option
 from mlx_dq.model.sources import resolve
 from mlx_dq.quant.affine import quantize_weight
 from mlx_dq.quant.options import QuantOption
@@ -131,12 +128,12 @@ def test_streamed_perplexity_equals_full_model(folders, grid_file):
 
 def test_base_perplexity_is_the_importance_rows_and_the_head_gram_all_rows(folders, grid_file, monkeypatch):
     """Only the importance rows' logits are made (the base perplexity); every row still feeds the head's Gram."""
-    from mlx_dq.measure import stream as measure_mod
+    from mlx_dq.measure import head as head_mod
 
     folder = folders["llama"]
     nll_rows, grams = [], {}
-    real_nll = measure_mod.chunked_nll_sum
-    monkeypatch.setattr(measure_mod, "chunked_nll_sum",
+    real_nll = head_mod.chunked_nll_sum
+    monkeypatch.setattr(head_mod, "chunked_nll_sum",
                         lambda model, tokens, *a, **k: nll_rows.append(int(tokens.shape[0])) or real_nll(model, tokens,
                                                                                                           *a, **k))
     m = _run(folder, grid_file, rows=6, importance_rows=2)
@@ -146,7 +143,7 @@ def test_base_perplexity_is_the_importance_rows_and_the_head_gram_all_rows(folde
     assert m.base_perplexity == pytest.approx(perplexity(model, tokens[:2]), rel=1e-4)
     assert m.base_perplexity != pytest.approx(perplexity(model, tokens), rel=1e-4)
     # the head's options were measured against the Gram of all six rows: the same errors as the all-logit path
-    monkeypatch.setattr(measure_mod, "record_head_inputs",
+    monkeypatch.setattr(head_mod, "record_head_inputs",
                         lambda model, tokens, hidden, flush, chunk: real_nll(model, tokens, hidden, chunk, flush=flush))
     again = _run(folder, grid_file, rows=6, importance_rows=2)
     head = [k for k in m.tensors if "lm_head" in k or "embed" in k]
@@ -365,7 +362,7 @@ def test_kl_importance_mode(folders, grid_file):
 
 def test_gptq_measurement_gives_the_converters_errors(folders, grid_file):
     """method="gptq" records the error of the converter's own quantizer, lower than rounding."""
-    from mlx_dq.conversion.pipeline import quantize_tensor
+    from mlx_dq.quant.dispatch import quantize_tensor
 
     folder = folders["llama"]
     rtn = _run(folder, grid_file, kl_scale=False)
@@ -389,14 +386,14 @@ def test_gptq_measurement_gives_the_converters_errors(folders, grid_file):
     mx.eval(model(_tokens(folder, 4, 48)))
     x = mx.concatenate([s[0].reshape(-1, s[0].shape[-1]) for s in rec.seen])
     w = rec.inner.weight
-    wq = quantize_tensor(w, QuantOption.parse("1.0:3b_64g"), x.T @ x, method="gptq").dequantize(mx.float32)
+    wq = quantize_tensor(w, QuantOption.parse("1.0:3b_64g"), x.T @ x).dequantize(mx.float32)
     direct = float(mx.linalg.norm(x @ wq.T - x @ w.T) / mx.linalg.norm(x @ w.T))
     assert gq.tensors[key].find("1.0:3b_64g").err == pytest.approx(direct, rel=1e-3)
 
 
 def test_kl_scale_matches_whole_model_kl(folders, grid_file):
     """The carried perturbations give the same KL as quantizing a layer's tensors in the whole model."""
-    from mlx_dq.measure.grids import role_of
+    from mlx_dq.names import role_of
 
     folder = folders["llama"]
     m = _run(folder, grid_file, importance_rows=2)
@@ -439,7 +436,7 @@ def test_kl_scale_matches_whole_model_kl(folders, grid_file):
 
 def test_lookup_side_priced_by_its_own_kl_end_to_end(folders, grid_file):
     """A lookup table's KL per squared lookup error comes from the lookup alone quantized in the whole model."""
-    from mlx_dq.measure.stream import _lookup_error
+    from mlx_dq.measure.meter import lookup_error
 
     folder = folders["llama"]  # untied: the embedding is only a lookup table
     m = _run(folder, grid_file, importance_rows=2)
@@ -452,7 +449,7 @@ def test_lookup_side_priced_by_its_own_kl_end_to_end(folders, grid_file):
     w = model.model.embed_tokens.weight
     wq = quantize_weight(w, QuantOption.parse(info["option"]), clip=False).dequantize(mx.float32)
     counts = np.bincount(np.asarray(tokens).ravel(), minlength=w.shape[0])
-    assert info["err"] == pytest.approx(_lookup_error(w, wq, counts), rel=1e-5)
+    assert info["err"] == pytest.approx(lookup_error(w, wq, counts), rel=1e-5)
     model.model.embed_tokens.weight = wq
     logp = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
     kl = float((mx.exp(ref) * (ref - logp)).sum(-1).mean())
@@ -461,7 +458,7 @@ def test_lookup_side_priced_by_its_own_kl_end_to_end(folders, grid_file):
 
 def test_depth_kl_scales_interpolate_between_samples():
     """Layers between sampled ones get the log-linear mean of their ratios, layers beyond get the nearest's."""
-    from mlx_dq.measure.stream import depth_kl_scales
+    from mlx_dq.measure.importance import depth_kl_scales
 
     samples = [{"layer": 1, "kl": 0.2, "predicted": 0.1}, {"layer": 5, "kl": 0.8, "predicted": 0.1},
                {"layer": 3, "kl": 0.0, "predicted": 0.1}]  # no KL: left out
@@ -494,7 +491,7 @@ def test_tied_head_damage_counts_both_sides(tmp_path, grid_file):
 
 def test_head_options_predicted_from_anchors_on_a_row_sample(tmp_path, grid_file):
     """With a row sample, the head's anchors keep their end-to-end KL and the others are predicted close to it."""
-    from mlx_dq.measure.stream import head_anchors
+    from mlx_dq.measure.head import head_anchors
 
     folder = make_tiny_model_folder(tmp_path, "llama", num_layers=2, tie=True)
     exact = _run(folder, grid_file, importance_rows=2, sample_rows=0)
@@ -520,7 +517,7 @@ def test_head_options_predicted_from_anchors_on_a_row_sample(tmp_path, grid_file
 def test_reference_weights_wait_at_their_stored_size(block_rows, monkeypatch):
     """The importance pass's reference waits as its codes, scales and biases (a 3-bit g64 weight: under a quarter of
     float16's bytes), whole rows joined when measured in blocks, and dequantizes to the weight quantized in one piece."""
-    from mlx_dq.measure.stream import measure_tensor
+    from mlx_dq.measure.tensor import measure_tensor
     from mlx_dq.model.capture import InputStats
     from mlx_dq.quant import dispatch as quantize_mod
 
@@ -555,7 +552,7 @@ def test_collector_release_drops_the_grams():
 
 def test_lookup_table_measured_on_its_looked_up_rows_only():
     """An untied embedding's options are metered on the rows the tokens use: the same lookup errors as on every row."""
-    from mlx_dq.measure.stream import measure_tensor
+    from mlx_dq.measure.tensor import measure_tensor
     from mlx_dq.model.capture import InputStats
 
     w = mx.random.normal((300, 64), key=mx.random.key(1))
@@ -574,7 +571,7 @@ def test_lookup_table_measured_on_its_looked_up_rows_only():
 
 def test_input_error_equals_the_gram_form():
     """The importance pass takes a linear layer's error from its inputs, with the Gram form's value."""
-    from mlx_dq.measure.stream import input_error
+    from mlx_dq.measure.importance import input_error
     from mlx_dq.quant.affine import output_error
 
     x = mx.random.normal((96, 64), key=mx.random.key(2)) * mx.linspace(0.1, 3.0, 64)

@@ -12,13 +12,13 @@ import pytest
 from seeds import seed_path  # noqa: E402
 
 from mlx_dq.measure import records as meas
+from mlx_dq.measure.exl2 import map_exl2_qparams
 from mlx_dq.measure.records import (
     JointGroup,
     JointOption,
     Measurement,
     OptionRecord,
     load_measurement,
-    map_exl2_qparams,
     save_measurement,
 )
 from mlx_dq.quant.options import QuantOption

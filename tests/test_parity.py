@@ -19,15 +19,16 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.conversion.pipeline import convert
 from mlx_dq.conversion.writer import tensor_arrays, tensor_record
 from mlx_dq.data import calib as calib_mod
 from mlx_dq.measure.stream import measure, strip_timing
 from mlx_dq.model.sources import resolve
-from mlx_dq.plan.optimize import optimize
+from mlx_dq.plan.solver import optimize
 from mlx_dq.quant.dispatch import StreamOptions, quantize_stream
 from mlx_dq.quant.options import QuantOption
+from mlx_dq.quant.spec import QuantizerSpec
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -96,7 +97,7 @@ def test_measure_and_convert_use_the_same_quantizer(tiny_llama, tiny_qwen3_moe, 
     options = {e.key: QuantOption.parse(e.option) for e in plan.tensors}
     source = resolve(str(folder))
     _, tokens = calib_mod.calibration_rows(source.tokenizer(), None, rows, seq_len, 0)
-    how = StreamOptions(method=method, sequential=False, clip=m.extra["clip"])
+    how = StreamOptions(QuantizerSpec(method=method, clip=m.extra["clip"]), sequential=False)
     compared = 0
     banks = 0
     for part in quantize_stream(source, options, tokens, how=how, progress=False):

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.errors import InputError
 from mlx_dq.evaluation import plots
 from mlx_dq.measure.records import (
@@ -22,7 +22,7 @@ from mlx_dq.measure.records import (
     TensorRecord,
     save_measurement,
 )
-from mlx_dq.plan.optimize import optimize
+from mlx_dq.plan.solver import optimize
 from mlx_dq.quant.options import QuantOption
 
 HIDDEN, INTER = 128, 256

@@ -9,20 +9,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_dq.quant import storage
 from mlx_dq.quant.affine import (
     QuantizedTensor,
     act_order,
-    affine_codes,
-    clip_search,
-    dequantize_ref,
     output_error,
-    pack_codes,
-    pack_codes_mx,
     quantize_weight,
-    unpack_codes,
     weight_error,
 )
 from mlx_dq.quant.options import VALID_BITS, VALID_GROUPS, QuantOption, Segment
+from mlx_dq.quant.scale_search import clip_search
+from mlx_dq.quant.storage import dequantize_ref, pack_codes, pack_codes_mx, unpack_codes
 
 BITS_GROUPS = list(itertools.product(VALID_BITS, VALID_GROUPS))
 
@@ -341,11 +338,11 @@ def test_clip_search_without_factors_is_mx_quantize(bits: int) -> None:
     assert float(res.factor.max()) == 0.0 and res.clipped == 0
 
 
-def test_affine_codes_round_against_given_scales() -> None:
+def test_codes_round_against_given_scales() -> None:
     w = heavy_tailed((4, 64), seed=3).reshape(4, 2, 32)
     scales = mx.full((4, 2), 0.01, dtype=mx.float16)
     biases = mx.full((4, 2), -0.05, dtype=mx.float16)
-    q = np.array(affine_codes(w, scales, biases, 4))
+    q = np.array(storage.codes(w, scales[..., None], biases[..., None], 15))
     expect = np.clip(np.rint((np.array(w) + 0.05) / np.float32(np.float16(0.01))), 0, 15)
     assert np.array_equal(q, expect)
 
@@ -365,14 +362,12 @@ def test_clip_search_reproduces_an_existing_min_max_grid() -> None:
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_float32_rounding_matches_casts(dtype: mx.Dtype) -> None:
-    from mlx_dq.quant.affine import _round_to
-
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_t(4, 20000) * 0.02, rng.uniform(-1e-4, 1e-4, 20000), rng.uniform(-6e4, 6e4, 2000)])
     x = mx.array(x.astype(np.float32))
     expect = np.array(x.astype(dtype).astype(mx.float32))
-    assert np.array_equal(np.array(_round_to(x, dtype)), expect)
-    assert np.array_equal(np.array(mx.compile(lambda a: _round_to(a, dtype))(x)), expect)
+    assert np.array_equal(np.array(storage.round_to(x, dtype)), expect)
+    assert np.array_equal(np.array(mx.compile(lambda a: storage.round_to(a, dtype))(x)), expect)
 
 
 # ------------------------------------------------------------- real weights

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-import mlx_dq.measure.stream as measure_mod
+import mlx_dq.measure.importance as importance_mod
 from mlx_dq.model.replay import record_calls, replay
 from mlx_dq.quant.affine import quantize_weight
 from mlx_dq.quant.options import QuantOption
@@ -169,8 +169,8 @@ def test_residual_importance_is_that_of_full_reruns(model_type, monkeypatch):
     mods = quantizable_modules(layer, "layers.0.")
     refs = {p: quantize_weight(m.weight, QuantOption.parse("1.0:3b_64g" if m.weight.shape[-1] >= 64 else "1.0:3b_32g"))
             for p, m in mods.items()}
-    fast = measure_mod.residual_importance(layer, h, call, mods, refs)
-    monkeypatch.setattr(measure_mod, "replay", lambda *a: contextlib.nullcontext())
-    full = measure_mod.residual_importance(layer, h, call, mods, refs)
+    fast = importance_mod.residual_importance(layer, h, call, mods, refs)
+    monkeypatch.setattr(importance_mod, "replay", lambda *a: contextlib.nullcontext())
+    full = importance_mod.residual_importance(layer, h, call, mods, refs)
     assert fast == full
     assert all(v["damage"] > 0 for v in full.values())

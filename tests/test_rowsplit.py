@@ -13,12 +13,12 @@ import pytest
 from click.testing import CliRunner
 
 import mlx_dq
-from mlx_dq.cli.commands import main
+from mlx_dq.cli import main
 from mlx_dq.conversion.pipeline import convert, quantize_model
 from mlx_dq.conversion.resolve import planned_row_splits, row_splits, with_row_splits
 from mlx_dq.evaluation import metrics as evaluate
 from mlx_dq.layers.rowsplit import RowSplitEmbedding
-from mlx_dq.plan.optimize import Plan, PlanEntry
+from mlx_dq.plan.plan import Plan, PlanEntry
 from mlx_dq.quant.options import QuantOption
 from mlx_dq.quant.rowsplit import (
     ID_BITS,

@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 from fixtures_models import make_tiny_model_folder
 
-from mlx_dq.cli.commands import main
-from mlx_dq.conversion.pipeline import plan_from_options
+from mlx_dq.cli import main
+from mlx_dq.conversion.resolve import plan_from_options
 from mlx_dq.measure.stream import measure
 from mlx_dq.model.sources import resolve
-from mlx_dq.plan.optimize import save_plan
+from mlx_dq.plan.plan import save_plan
 
 GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "0.5:4b_32g/0.5:3b_64g", "1.0:8b_64g"]}
 CALIB = ["--rows", "4", "--seq-len", "32", "--method", "rtn", "--no-clip"]
@@ -411,7 +411,7 @@ def test_generate_loads_through_mlx_dq_and_never_runs_folder_code(mixed_folder, 
 
 
 def test_exl2_measurement_says_what_it_cannot_check_and_leaves_out(work, tmp_path):
-    from mlx_dq.measure.records import exl2_storage_bits
+    from mlx_dq.measure.exl2 import exl2_storage_bits
 
     doc = json.loads(work["m_llama"].read_text())
     records = []

@@ -13,7 +13,11 @@ import pytest
 from fixtures_models import random_weights, save_tokenizer, tiny_config
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_dq.measure import head as head_mod
+from mlx_dq.measure import head_kl as head_kl_mod
+from mlx_dq.measure import meter as meter_mod
 from mlx_dq.measure import stream as measure_mod
+from mlx_dq.measure import tensor as tensor_mod
 from mlx_dq.measure.stream import measure
 
 GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "1.0:4b_64g", "1.0:8b_64g"]}
@@ -51,13 +55,13 @@ def big_vocab(tmp_path_factory) -> dict[str, Path]:
 def _spy_head(monkeypatch) -> list[int]:
     """Record the number of positions of every head call (and still run it)."""
     seen: list[int] = []
-    orig = measure_mod.head_logits
+    orig = head_kl_mod.head_logits
 
     def spy(model, tokens, hidden):
         seen.append(int(tokens.shape[0]) * int(tokens.shape[1]))
         return orig(model, tokens, hidden)
 
-    monkeypatch.setattr(measure_mod, "head_logits", spy)
+    monkeypatch.setattr(head_kl_mod, "head_logits", spy)
     return seen
 
 
@@ -92,19 +96,19 @@ def test_chunked_head_equals_one_piece(big_vocab, grid_file, monkeypatch, kind):
     """Head chunks of 7 positions with a tiny reference cache give the one-piece head's numbers."""
     whole = _run(big_vocab[kind], grid_file, head_chunk=48)
     seen = _spy_head(monkeypatch)
-    monkeypatch.setattr(measure_mod, "REF_CACHE_BYTES", 3 * 7 * BIG_VOCAB * 4)  # 3 of the 14 chunks kept
+    monkeypatch.setattr(head_kl_mod, "REF_CACHE_BYTES", 3 * 7 * BIG_VOCAB * 4)  # 3 of the 14 chunks kept
     made = []
-    orig_init = measure_mod._HeadKL.__init__
+    orig_init = head_kl_mod.HeadKL.__init__
 
     def init(self, *a, **k):
-        k["cache_bytes"] = measure_mod.REF_CACHE_BYTES
+        k["cache_bytes"] = head_kl_mod.REF_CACHE_BYTES
         orig_init(self, *a, **k)
         made.append(self)
 
-    monkeypatch.setattr(measure_mod._HeadKL, "__init__", init)
+    monkeypatch.setattr(head_kl_mod.HeadKL, "__init__", init)
     chunked = _run(big_vocab[kind], grid_file, head_chunk=7)
     assert seen and max(seen) <= 7  # no head call ever saw more than 7 positions
-    assert made and made[0].recomputed > 0 and made[0].cached_bytes <= measure_mod.REF_CACHE_BYTES
+    assert made and made[0].recomputed > 0 and made[0].cached_bytes <= head_kl_mod.REF_CACHE_BYTES
     assert made[0].cached_bytes > 0
     head = "lm_head" if kind == "untied" else "model.embed_tokens"
     assert all(o.damage is not None for o in chunked.tensors[head].options)
@@ -126,7 +130,7 @@ def test_head_in_row_blocks_equals_one_piece(big_vocab, grid_file, monkeypatch, 
         return out
 
     added, assembled = [], []
-    orig_add, orig_blocks = measure_mod._HeadBlockKL.add, measure_mod._measure_in_blocks
+    orig_add, orig_blocks = head_kl_mod.HeadBlockKL.add, tensor_mod._measure_in_blocks
 
     def add(self, i, sl, wq):
         added.append(int(wq.shape[0]))
@@ -134,14 +138,15 @@ def test_head_in_row_blocks_equals_one_piece(big_vocab, grid_file, monkeypatch, 
 
     def in_blocks(*a, **k):
         wq = orig_blocks(*a, **k)
-        if len(a) > 7 and a[7] is not None:  # the head: measured end to end
+        if len(a) > 6 and a[6] is not None:  # the head (damage, after w, opt, gram, meter, spec, factors)
             assembled.append(wq[0] is not None)
         return wq
 
     monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * 128 * 150)  # 150 rows of 128 channels a block
-    monkeypatch.setattr(measure_mod, "row_blocks", spy)
-    monkeypatch.setattr(measure_mod._HeadBlockKL, "add", add)
-    monkeypatch.setattr(measure_mod, "_measure_in_blocks", in_blocks)
+    monkeypatch.setattr(meter_mod, "row_blocks", spy)
+    monkeypatch.setattr(head_kl_mod, "row_blocks", spy)
+    monkeypatch.setattr(head_kl_mod.HeadBlockKL, "add", add)
+    monkeypatch.setattr(tensor_mod, "_measure_in_blocks", in_blocks)
     blocked = _run(big_vocab[kind], grid_file)
     assert max(blocks_seen) >= 6  # the 2048-row embedding/head went in blocks
     assert added and max(added) <= 150 and sum(added) % BIG_VOCAB == 0  # its KL taken block by block
@@ -182,7 +187,7 @@ def test_head_block_kl_equals_the_swapped_head(tmp_path, model_type):
     from mlx_dq.quant.options import QuantOption
 
     model, tokens, hidden, mod = _head_model(tmp_path, model_type)
-    head = measure_mod._HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
+    head = head_kl_mod.HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
     w = mod.weight
     wq = quantize_weight(w, QuantOption.parse("1.0:2b_64g"), clip=False).dequantize(mx.float32)
     direct = head.damage_fn(mod)(wq)
@@ -205,19 +210,19 @@ def test_carried_copies_kl_in_one_pass_equals_each_through_the_head(tmp_path, mo
     w = mod.weight
     rng = np.random.default_rng(2)
     hs = [hidden + eps * mx.array(rng.standard_normal(hidden.shape).astype("float32")) for eps in (0.05, 0.1, 0.5)]
-    head = measure_mod._HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
+    head = head_kl_mod.HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
     direct = [head.kl(h) for h in hs]
     monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * int(w.shape[1]) * 300)  # blocks of 300, 300, 100 rows
     sizes = []
-    orig = measure_mod.head_logits
+    orig = head_kl_mod.head_logits
 
     def spy(m, t, h):
         out = orig(m, t, h)
         sizes.append(int(out.size))
         return out
 
-    monkeypatch.setattr(measure_mod, "head_logits", spy)
-    blocked = measure_mod._HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
+    monkeypatch.setattr(head_kl_mod, "head_logits", spy)
+    blocked = head_kl_mod.HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
     many = blocked.kl_many(mod, hs)
     assert len(blocked.blocks(mod)) == 3
     assert min(direct) > 1e-4
@@ -243,7 +248,9 @@ def test_chunked_tensor_kl_equals_direct(big_vocab):
     tokens = mx.array(__import__("numpy").random.default_rng(0).integers(0, 320, size=(2, 40)).astype("int32"))
     mods = {p: m for p, m in quantizable_modules(model).items() if p in ("model.embed_tokens", "model.layers.0.mlp.up_proj")}
     opts = {p: QuantOption.parse("1.0:2b_64g") for p in mods}
-    got = measure_mod.tensor_kl(model, tokens, mods, opts, clip=False, chunk=9)
+    from mlx_dq.measure.model_kl import tensor_kl
+
+    got = tensor_kl(model, tokens, mods, opts, clip=False, chunk=9)
     ref = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
     for path, mod in mods.items():  # plain rounding (no clip, single option): the Gram plays no part
         w = mod.weight
@@ -267,7 +274,7 @@ def test_head_chunk_must_be_positive(big_vocab, grid_file):
 def test_row_sample_is_seeded_stratified_and_bounded():
     import numpy as np
 
-    from mlx_dq.measure.stream import output_row_sample
+    from mlx_dq.measure.meter import output_row_sample
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((1000, 64)).astype("float32")
@@ -291,11 +298,13 @@ def test_sampled_rows_error_equals_full_quantization_on_those_rows(method, clip)
     """Rows are independent: the subset's error equals the full quantization's error restricted to those rows."""
     import numpy as np
 
-    from mlx_dq.conversion.pipeline import quantize_tensor
-    from mlx_dq.measure.stream import measure_tensor, output_row_sample
+    from mlx_dq.measure.meter import output_row_sample
+    from mlx_dq.measure.tensor import measure_tensor
     from mlx_dq.model.capture import InputStats
     from mlx_dq.quant.affine import output_error
+    from mlx_dq.quant.dispatch import quantize_tensor
     from mlx_dq.quant.options import QuantOption
+    from mlx_dq.quant.spec import QuantizerSpec
 
     rng = np.random.default_rng(1)
     w = mx.array(rng.standard_normal((300, 128)).astype("float32"))
@@ -308,7 +317,7 @@ def test_sampled_rows_error_equals_full_quantization_on_those_rows(method, clip)
     idx, rw = output_row_sample("t", w, gram, 64)
     assert rec.extra["sampled_rows"] == 64 and kept["1.0:3b_64g"].shape == (300, 128)
     for o in rec.options:
-        wq = quantize_tensor(w, o.option, gram, method=method, clip=clip).dequantize(mx.float32)
+        wq = quantize_tensor(w, o.option, gram, QuantizerSpec(method=method, clip=clip)).dequantize(mx.float32)
         d, ws = (wq - w)[idx], w[idx]
         want = float(mx.sqrt((rw * ((d @ gram) * d).sum(1)).sum() / (rw * ((ws @ gram) * ws).sum(1)).sum()).item())
         assert o.err == pytest.approx(want, rel=1e-3), o.option.desc
@@ -370,7 +379,7 @@ def test_estimate_matches_a_real_run(big_vocab, grid_file, tmp_path, method):
 def test_estimate_cli_prints_and_does_no_work(big_vocab, tmp_path):
     from click.testing import CliRunner
 
-    from mlx_dq.cli.commands import main
+    from mlx_dq.cli import main
 
     r = CliRunner().invoke(main, ["convert", "--model", str(big_vocab["untied"]), "--bpw", "3.5", "-o",
                                   str(tmp_path / "q"), "--estimate", "--flops", "1e10"])
@@ -403,7 +412,7 @@ def test_convert_and_measure_say_their_cost_before_working(big_vocab, grid_file,
     """One stderr line before any work: the predicted time and memory (a warning when memory is short)."""
     from click.testing import CliRunner
 
-    from mlx_dq.cli.commands import main
+    from mlx_dq.cli import main
     from mlx_dq.conversion import estimate as estimate_mod
     from mlx_dq.conversion import pipeline as convert_mod
     from mlx_dq.errors import InputError
@@ -472,13 +481,14 @@ def test_written_error_in_row_blocks_equals_one_piece(monkeypatch, desc):
     from mlx_dq.quant.affine import output_error
     from mlx_dq.quant.dispatch import quantize_tensor
     from mlx_dq.quant.options import QuantOption
+    from mlx_dq.quant.spec import QuantizerSpec
 
     rng = np.random.default_rng(2)
     w = mx.array(rng.standard_normal((600, 128)).astype("float32"))
     x = mx.array(rng.standard_normal((300, 128)).astype("float32"))
     gram = x.T @ x
     opt = QuantOption.fp16() if desc == "fp16" else QuantOption.parse(desc)
-    qt = quantize_tensor(w, opt, gram, method="rtn", clip=False)
+    qt = quantize_tensor(w, opt, gram, QuantizerSpec(method="rtn", clip=False))
     for sl in (slice(0, 150), slice(150, 151), slice(151, 600)):
         assert mx.array_equal(qt.rows(sl).dequantize(), qt.dequantize()[sl])
     whole = output_error(w, qt.dequantize(mx.float32), gram)
@@ -504,7 +514,7 @@ def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file
         return orig(run, i)
 
     embed_max: list[float] = []
-    orig_head = measure_mod._measure_head_tensor
+    orig_head = head_mod._measure_head_tensor
 
     head_held: list[int] = []
 
@@ -516,7 +526,7 @@ def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file
         return orig_head(run, path, mod, *a)
 
     monkeypatch.setattr(measure_mod, "_measure_layer", spy)
-    monkeypatch.setattr(measure_mod, "_measure_head_tensor", head_spy)
+    monkeypatch.setattr(head_mod, "_measure_head_tensor", head_spy)
     m = _run(big_vocab[kind], grid_file)
     assert held == [0]
     assert embed_max == ([0.0] if kind == "untied" else [])
@@ -525,8 +535,8 @@ def test_embedding_and_head_are_not_held_through_the_layers(big_vocab, grid_file
     assert m.tensors[head].shape[0] == BIG_VOCAB and all(o.damage is not None for o in m.tensors[head].options)
     monkeypatch.setattr(measure_mod, "_measure_layer", orig)
     monkeypatch.setattr(measure_mod.LayerRunner, "free_outside", lambda self: None)
-    monkeypatch.setattr(measure_mod, "free_table", lambda mod: None)
-    monkeypatch.setattr(measure_mod, "_measure_head_tensor", orig_head)
+    monkeypatch.setattr(head_mod, "free_table", lambda mod: None)
+    monkeypatch.setattr(head_mod, "_measure_head_tensor", orig_head)
     _assert_same(m, _run(big_vocab[kind], grid_file))
 
 
@@ -756,7 +766,7 @@ def test_output_energy_is_the_gram_form_and_the_record_keeps_its_error(big_vocab
 def test_row_sample_from_recorded_energies(big_vocab, grid_file, monkeypatch):
     """The stratified row sample drawn from the forward's recorded output energies is the one the Gram gives,
     and the measurer uses them (no Gram product per tensor) with the same results."""
-    from mlx_dq.measure.stream import output_row_sample
+    from mlx_dq.measure.meter import output_row_sample
 
     rng = np.random.default_rng(1)
     x = rng.normal(size=(300, 48)).astype(np.float32)
@@ -767,13 +777,14 @@ def test_row_sample_from_recorded_energies(big_vocab, grid_file, monkeypatch):
     assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[1], b[1])
 
     given: list[bool] = []
-    orig = measure_mod.output_row_sample
+    orig = meter_mod.output_row_sample
 
     def spy(key, w, gram, n, must=None, energy=None):
         given.append(energy is not None)
         return orig(key, w, gram, n, must, energy)
 
-    monkeypatch.setattr(measure_mod, "output_row_sample", spy)
+    monkeypatch.setattr(tensor_mod, "output_row_sample", spy)
+    monkeypatch.setattr(head_mod, "output_row_sample", spy)
     m = _run(big_vocab["untied"], grid_file, sample_rows=64)
     assert given and all(given[:7])  # the layer's tensors
     monkeypatch.setattr(measure_mod.GramCollector, "record_output", lambda self, *a: None)
@@ -783,7 +794,7 @@ def test_row_sample_from_recorded_energies(big_vocab, grid_file, monkeypatch):
 def test_error_meter_takes_its_reference_from_given_energies(monkeypatch):
     """Given the rows' energies, the error meter's reference sum is theirs (the head computes them once for its
     sample and every meter), equal to the Gram product it no longer makes; the weight sums are unchanged."""
-    from mlx_dq.measure.stream import _ErrorMeter, output_energies
+    from mlx_dq.measure.meter import ErrorMeter, output_energies
 
     rng = np.random.default_rng(2)
     x = rng.normal(size=(200, 48)).astype(np.float32)
@@ -792,13 +803,13 @@ def test_error_meter_takes_its_reference_from_given_energies(monkeypatch):
     wq = w + 0.01 * mx.array(rng.normal(size=(120, 48)).astype(np.float32))
     energy = output_energies(w, gram)
     for rw in (None, mx.array(rng.uniform(0.5, 2.0, size=120).astype(np.float32))):
-        a = _ErrorMeter(w, gram, None, rw)
+        a = ErrorMeter(w, gram, None, rw)
         products: list[int] = []
-        orig = _ErrorMeter._squares
-        monkeypatch.setattr(_ErrorMeter, "_squares",
+        orig = ErrorMeter._squares
+        monkeypatch.setattr(ErrorMeter, "_squares",
                             lambda self, v, g: products.append(g is not None) or orig(self, v, g))
-        b = _ErrorMeter(w, gram, None, rw, energy)
-        monkeypatch.setattr(_ErrorMeter, "_squares", orig)
+        b = ErrorMeter(w, gram, None, rw, energy)
+        monkeypatch.setattr(ErrorMeter, "_squares", orig)
         assert not any(products)
         assert b.oden == pytest.approx(a.oden, rel=1e-5) and b.wden == a.wden
         assert b(wq)[0] == pytest.approx(a(wq)[0], rel=1e-5) and b(wq)[1] == a(wq)[1]
@@ -809,24 +820,24 @@ def test_looked_up_rows_are_swapped_in_place_and_back():
     restores them, also when the probe fails; a 16-bit table gets a changed copy and then its own array back."""
     import mlx.nn as nn
 
-    from mlx_dq.measure.stream import _rows_swapped
+    from mlx_dq.measure.swap import rows_swapped
 
     emb = nn.Embedding(50, 8)
     emb.weight = mx.random.normal((50, 8), key=mx.random.key(0))
     mx.eval(emb.weight)
     table, orig = emb.weight, np.array(emb.weight)
     ids, new = np.array([3, 7, 41]), mx.ones((3, 8))
-    with _rows_swapped(emb, ids, new):
+    with rows_swapped(emb, ids, new):
         assert emb.weight is table  # changed in place
         inside = np.array(emb(mx.array([7, 2])))
     assert np.array_equal(inside[0], np.ones(8)) and np.array_equal(inside[1], orig[2])
     assert emb.weight is table and np.array_equal(np.asarray(emb.weight), orig)
     with pytest.raises(RuntimeError):
-        with _rows_swapped(emb, ids, new):
+        with rows_swapped(emb, ids, new):
             raise RuntimeError("probe failed")
     assert np.array_equal(np.asarray(emb.weight), orig)
     half = emb.weight = table.astype(mx.bfloat16)
-    with _rows_swapped(emb, ids, new):
+    with rows_swapped(emb, ids, new):
         assert emb.weight is not half
         assert np.array_equal(np.array(emb.weight[mx.array(ids)].astype(mx.float32)), np.ones((3, 8)))
     assert emb.weight is half
@@ -836,7 +847,8 @@ def test_consumed_gram_measures_the_same():
     """A tensor whose Gram is its own (``consume_gram``) is measured with the Gram's buffer turned into the Hessian
     factor: the same record and kept weight as with the Gram kept beside its factor; the collector's stats then hold
     the stand-in, and a Gram shared with another tensor, or an option the factor cannot serve, is left alone."""
-    from mlx_dq.measure.stream import measure_tensor, output_energies
+    from mlx_dq.measure.meter import output_energies
+    from mlx_dq.measure.tensor import measure_tensor
     from mlx_dq.model.capture import InputStats
     from mlx_dq.quant.gptq import FactoredGram
     from mlx_dq.quant.options import QuantOption

@@ -143,7 +143,7 @@ def test_a_failed_item_is_raised_after_the_running_ones_finish():
 
 def test_a_script_using_the_workers_exits_cleanly():
     """Each worker clears its MLX streams before it ends; without that, short scripts aborted at exit (status 134)."""
-    script = ("import numpy as np\nfrom mlx_dq.quant.gptq import choose_group_params\n"  # 4 row chunks on the workers
+    script = ("import numpy as np\nfrom mlx_dq.quant.scale_search import choose_group_params\n"  # 4 row chunks on the workers
               "w = np.random.default_rng(0).standard_normal((1, 4096, 16, 64)).astype(np.float32)\n"
               "print(choose_group_params(w, 4, weight=np.ones((1, 1, 16, 64), np.float32))[0].shape[1])\n")
     for _ in range(3):  # the abort was not every time (4 runs in 6)

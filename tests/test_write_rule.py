@@ -19,10 +19,10 @@ import pytest
 from cli_checks import cli, one_error_line
 from fixtures_models import make_tiny_model_folder
 
-from mlx_dq.conversion.pipeline import plan_from_options
+from mlx_dq.conversion.resolve import plan_from_options
 from mlx_dq.measure.stream import measure
 from mlx_dq.model.sources import resolve
-from mlx_dq.plan.optimize import save_plan
+from mlx_dq.plan.plan import save_plan
 
 GRID = {"default": ["1.0:2b_64g", "1.0:4b_64g", "1.0:8b_64g"]}
 CALIB = ["--rows", "4", "--seq-len", "32", "--method", "rtn", "--no-clip"]

@@ -10,7 +10,7 @@ the mixed-proportion layers of :mod:`mlx_dq.layers.mixed`, segment by segment.
 
 Training runs through a differentiable dequantize-then-matmul path in float32
 (``mx.dequantize`` has gradients with respect to scales and biases; so has
-``mx.quantized_matmul`` on mlx 0.32.4, but it is ~70x slower on the CPU). Each
+``mx.quantized_matmul`` on mlx 0.32.4, but it is far slower on the CPU). Each
 scale is trained as ``s0 * (1 + a)`` and each bias as ``b0 + |s0| * c``, so one
 learning rate means the same relative step for every layer. The result is
 written as a new folder with the same files, tensor names, dtypes and config
@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
 from mlx_dq.conversion.estimate import format_seconds
@@ -43,7 +43,6 @@ from mlx_dq.conversion.writer import (
 from mlx_dq.data import calib as calib_mod
 from mlx_dq.errors import InputError
 from mlx_dq.layers import kernels
-from mlx_dq.loader import _set_module
 from mlx_dq.names import MANIFEST_NAME
 from mlx_dq.settings import TEACHER_CACHE_BYTES, DistillSettings
 
@@ -166,7 +165,7 @@ def make_student(model: nn.Module, train_norms: bool = False) -> tuple[dict[str,
         raise InputError("the model has no affine-quantized layer: nothing to distill")
     student = {p: _Trainable(m, kind) for p, (m, kind) in layers.items()}
     for p, t in student.items():
-        _set_module(model, p, t)
+        model.update_modules(tree_unflatten([(p, t)]))
     model.update(tree_map(lambda v: v.astype(mx.float32)
                           if isinstance(v, mx.array) and mx.issubdtype(v.dtype, mx.floating) else v,
                           model.parameters()))
@@ -403,7 +402,7 @@ def _write(folder: Path, out: Path, updates: dict[str, mx.array], record: dict, 
 def _put_back(model: nn.Module, layers: dict[str, tuple[nn.Module, str]], dtypes: dict[str, Any]) -> None:
     """Undo :func:`make_student`: the original quantized layers back in place, every other array in its dtype."""
     for p, (m, _) in layers.items():
-        _set_module(model, p, m)
+        model.update_modules(tree_unflatten([(p, m)]))
     model.load_weights([(k, v.astype(dtypes[k])) for k, v in tree_flatten(model.parameters())
                         if k in dtypes and v.dtype != dtypes[k]], strict=False)
 

@@ -21,13 +21,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from mlx_dq.quant.affine import BATCH_ELEMENTS
+from mlx_dq.quant.scale_search import BATCH_ELEMENTS
 
 BASE_RSS = 600 * 2**20  # Python, MLX, mlx-lm, tokenizer: measured on an empty measure run
 TIME_FACTOR = 3.0  # real seconds / matmul-bound seconds observed on a 2-core CPU (GPTQ bookkeeping, small matmuls)
 FIXED_S = 5.0  # start-up: imports, tokenizer, calibration text
-# per (tensor, option) overhead that does not scale with the shapes; gptq: the README command (SmolLM2-135M,
-# 256 sampled rows, a layer's tensors on two threads) measured 12.1 s per layer for 133 options on 2 cores
+# per (tensor, option) overhead that does not scale with the shapes (Python bookkeeping, small arrays), set from
+# the README command's run (docs/cost.md#figures-behind-the-code)
 OPTION_S = {"rtn": 0.1, "gptq": 0.1}
 TENSOR_S = 0.15  # per tensor overhead of convert
 JSON_BYTES_PER_OPTION = 600  # measurement JSON per (tensor, option)
@@ -119,10 +119,10 @@ def _shapes(source: Any) -> tuple[list[list[tuple[str, tuple[int, ...]]]], list[
     which of the other ones are lookup tables only (:func:`mlx_dq.model.runner.lookup_tables`)."""
     import mlx.core as mx  # noqa: F401  (the skeleton's arrays stay unevaluated)
 
-    from mlx_dq.measure.grids import role_of
     from mlx_dq.model.capture import quantizable_modules
     from mlx_dq.model.runner import align_to_source, layer_prefix, lookup_tables
     from mlx_dq.model.sources import build_model
+    from mlx_dq.names import role_of
 
     model = build_model(source.config)
     align_to_source(model, source.weight_names())
@@ -155,7 +155,7 @@ def _block_numel(shape: tuple[int, ...]) -> int:
 
 
 def _fitting(grid: dict, path: str, in_f: int) -> list:
-    from mlx_dq.measure.grids import role_of
+    from mlx_dq.names import role_of
     from mlx_dq.quant.options import QuantOption
 
     return [o for o in grid[role_of(path)] if o.fits(in_f)] or [QuantOption.fp16()]
@@ -167,11 +167,9 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     """Predicted cost of :func:`mlx_dq.measure.stream.measure` with these settings (shapes only); ``clip``: the clip
     candidates searched (their batched arrays held)."""
     from mlx_dq.measure.grids import load_grid
-    from mlx_dq.measure.stream import (
-        HEAD_SAMPLE_FACTOR,
-        KL_SAMPLE_LAYERS,
-        REF_CACHE_BYTES,
-    )
+    from mlx_dq.measure.head import HEAD_SAMPLE_FACTOR
+    from mlx_dq.measure.head_kl import REF_CACHE_BYTES
+    from mlx_dq.measure.stream import KL_SAMPLE_LAYERS
     from mlx_dq.model.runner import HEAD_CHUNK
     from mlx_dq.quant.dispatch import row_blocks
 
@@ -336,8 +334,8 @@ def estimate_convert(source: Any, *, bpw: float | None, rows: int = 32, seq_len:
     return est, meas
 
 
-# distillation: real / matmul-bound seconds (autograd, dequantizing every step). SmolLM2-135M, 1 x 128 tokens a
-# step: 2.1 s matmul-bound at 49 GFLOP/s, 13.6 s observed on a 2-core CPU shared with other jobs (about half of it)
+# distillation: real / matmul-bound seconds (autograd, dequantizing every step), set from a SmolLM2-135M run
+# (docs/cost.md#figures-behind-the-code)
 DISTILL_TIME_FACTOR = 3.0
 
 

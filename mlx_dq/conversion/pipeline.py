@@ -27,21 +27,20 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 
 from mlx_dq import __version__
 from mlx_dq.conversion import hub
 from mlx_dq.conversion.card import source_metadata, write_card
-from mlx_dq.conversion.resolve import (  # noqa: F401  (plan_from_options re-exported)
+from mlx_dq.conversion.resolve import (
     available_hot_rows,
     model_shapes,
     plan_from_options,
     planned_row_splits,
     resolve_plan,
 )
-from mlx_dq.conversion.writer import (  # noqa: F401
+from mlx_dq.conversion.writer import (
     DEFAULT_SHARD_BYTES,
-    MANIFEST_NAME,
-    MODEL_FILE,
     MODEL_FILE_TEXT,
     ShardWriter,
     build_manifest,
@@ -56,24 +55,17 @@ from mlx_dq.errors import InputError
 from mlx_dq.formats.facts import add_facts
 from mlx_dq.layers.mixed import mixed_layer_from_quantized
 from mlx_dq.layers.rowsplit import RowSplitEmbedding
-from mlx_dq.loader import _set_module
 from mlx_dq.measure.records import Measurement, save_measurement
 from mlx_dq.model.sources import build_model, resolve
-from mlx_dq.plan.optimize import Plan, _match, load_plan, save_plan
-from mlx_dq.quant.dispatch import (  # noqa: F401  (re-exported)
-    METHODS,
-    StreamOptions,
-    quantize_stream,
-    quantize_tensor,
-)
+from mlx_dq.names import MANIFEST_NAME, MODEL_FILE
+from mlx_dq.plan.keeprules import key_matches
+from mlx_dq.plan.plan import Plan, load_plan, save_plan
+from mlx_dq.quant.dispatch import StreamOptions, quantize_stream
 from mlx_dq.quant.options import QuantOption
 from mlx_dq.quant.rowsplit import HotRows
 from mlx_dq.runtime import distributed as dist
 from mlx_dq.safety import check_bpw, guard_output_folder, output_lock
 from mlx_dq.settings import DistillSettings, PlanSettings, QuantizeSettings
-
-DEFAULT_ROWS = QuantizeSettings.rows  # the defaults live in mlx_dq.settings; these names stay for scripts
-DEFAULT_SEQ_LEN = QuantizeSettings.seq_len
 
 
 # --------------------------------------------------------------------------
@@ -110,7 +102,7 @@ def quantize_model(
     templates = dict(net.named_modules())
     layers_new: dict[str, tuple[nn.Module, Any, Any]] = {}
     plain: dict[str, mx.array] = {}
-    how = StreamOptions(method=s.method, sequential=s.sequential, clip=s.clip, damp=s.damp)
+    how = StreamOptions(s.quantizer(), sequential=s.sequential)
     for part in quantize_stream(source, options_, tokens, how=how, progress=progress, row_splits=splits):
         for t in part.tensors:
             if t.qt.fp is not None:
@@ -127,7 +119,7 @@ def quantize_model(
                                     mx.array(split.ids.astype(np.int32)))
         if "bias" in new:
             new.bias = plain.pop(f"{path}.bias")
-        _set_module(net, path, new)
+        net.update_modules(tree_unflatten([(path, new)]))
     if plain:
         net.load_weights(list(plain.items()), strict=False)
     mx.eval(net.parameters())
@@ -212,8 +204,7 @@ def convert(
         if unplanned and not isinstance(plan, dict):
             job.notes.append(f"{len(unplanned)} tensor(s) not in the plan stay 16-bit: {', '.join(unplanned[:4])}"
                              + (f" (and {len(unplanned) - 4} more)" if len(unplanned) > 4 else ""))
-        how = StreamOptions(method=q.method, sequential=q.sequential, clip=q.clip, damp=q.damp,
-                            promote_mixed=q.promote_mixed, scale_dtype=job.out_dtype)
+        how = StreamOptions(q.quantizer(job.out_dtype), sequential=q.sequential)
         stream = quantize_stream(job.source, options_, tokens, how=how, progress=progress and dist.is_root(),
                                  row_splits=planned_row_splits(job.plan, text_ids),
                                  _fail_after_layer=_fail_after_layer)
@@ -296,7 +287,7 @@ def _prepare(model: str, out_dir: str | Path, plan: Any, measurement: Any, force
     if q.calib is not None:  # a bad calibration file fails now, not after the measurement
         calib_mod.load_texts(q.calib)
     for pat in p.keep:  # a keep pattern that matches nothing fails now, not after the measurement
-        if not any(_match(k, [pat]) for k in model_shapes(source.config)):
+        if not any(key_matches(k, [pat]) for k in model_shapes(source.config)):
             raise InputError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
     return _Job(source, q, p, dtype, out_dtype, out)
 

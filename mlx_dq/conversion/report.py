@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mlx_dq.conversion.writer import MANIFEST_NAME, _bad, check_manifest, read_manifest  # noqa: F401  (re-exported)
+from mlx_dq.conversion.writer import MANIFEST_NAME, check_manifest, read_manifest
 from mlx_dq.errors import InputError, IntegrityError
 from mlx_dq.names import split_layer
 
@@ -16,13 +16,13 @@ _SHADES = " .:-=+*#%@"
 def _recorded_files(files: Any, path: Path) -> dict[str, int] | None:
     """The manifest's ``files`` list (``[{"name", "bytes", ...}]``) as name -> size."""
     if not isinstance(files, list):
-        raise _bad(path, "'files' must be a list of {name, bytes} records")
+        raise IntegrityError.at(path, "'files' must be a list of {name, bytes} records")
     out: dict[str, int] = {}
     for i, f in enumerate(files):
         name = f.get("name") if isinstance(f, dict) else None
         size = f.get("bytes") if isinstance(f, dict) else None
         if not isinstance(name, str) or not name or isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise _bad(path, f"files[{i}] must be a record with a file name and a byte count, got {f!r}")
+            raise IntegrityError.at(path, f"files[{i}] must be a record with a file name and a byte count, got {f!r}")
         out[name] = size
     return out
 

@@ -19,9 +19,11 @@ from mlx_dq.formats.common import model_modules
 from mlx_dq.formats.exl2 import complete_head
 from mlx_dq.measure import stream as measure_mod
 from mlx_dq.measure.records import Measurement, load_measurement, measurement_complete
+from mlx_dq.measure.tensor import fitting_options
 from mlx_dq.model.capture import quantizable_modules
 from mlx_dq.model.sources import build_model
-from mlx_dq.plan.optimize import Plan, PlanEntry, optimize, option_damage
+from mlx_dq.plan.plan import Plan, PlanEntry
+from mlx_dq.plan.solver import optimize, option_damage
 from mlx_dq.quant.options import QuantOption
 from mlx_dq.quant.rowsplit import (
     HotRows,
@@ -212,7 +214,7 @@ def grid_bpw_range(source: Any, grid: Any = None, mlx_lm_compatible: bool = Fals
         role = role_of(key)
         if head_option is not None and in_head_scope(role, key):
             continue
-        opts = [o for o in measure_mod.fitting_options(grid_map.get(role, []), shape[-1])
+        opts = [o for o in fitting_options(grid_map.get(role, []), shape[-1])
                 if not (mlx_lm_compatible and o.is_mixed)] or [QuantOption.fp16()]
         bits = [o.storage_bits(shape) for o in opts]
         lo, hi, numel = lo + min(bits), hi + max(bits), numel + math.prod(shape)

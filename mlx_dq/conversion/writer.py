@@ -24,7 +24,7 @@ from mlx_dq.errors import InputError, IntegrityError
 from mlx_dq.formats.facts import packing_facts
 from mlx_dq.model.sources import recorded_spec
 from mlx_dq.names import MANIFEST_NAME, MANIFEST_SCHEMA, MODEL_FILE, default_bits_group
-from mlx_dq.plan.optimize import Plan
+from mlx_dq.plan.plan import Plan
 from mlx_dq.quant.affine import (
     QuantizedTensor,
     exact_sums,
@@ -48,7 +48,7 @@ MODEL_FILE_TEXT = '''"""mlx-lm model file for an mlx-dq output with mixed-propor
 
 mlx-lm loads it with ``trust_remote_code=True`` (CLIs: ``--trust-remote-code``).
 It wraps mlx-lm's own model class for this folder's ``model_type`` and swaps in
-mlx-dq's mixed layers listed under ``mlx_dq.layers.mixed`` in config.json.
+mlx-dq's mixed layers listed under ``mlx_dq.mixed`` in config.json.
 """
 
 import json
@@ -341,10 +341,6 @@ def read_manifest(folder: str | Path, missing_ok: bool = False) -> dict | None:
     return data
 
 
-def _bad(path: Path, what: str) -> IntegrityError:
-    return IntegrityError(f"{path}: {what}")
-
-
 def _source_candidates(folder: Path, spec: str, kind: Any) -> list[str]:
     """Where a recorded source spec may be: itself, or (a relative local path from an older manifest) relative to
     the output folder's parent, where ``convert --model SPEC -o FOLDER`` was most often run, and to this folder."""
@@ -373,7 +369,7 @@ def recorded_source(folder: str | Path, manifest: dict | None = None, flag: str 
     if not spec:
         return None
     if not isinstance(spec, str):
-        raise _bad(folder / MANIFEST_NAME, f"provenance.source.spec must be a string, got {spec!r}")
+        raise IntegrityError.at(folder / MANIFEST_NAME, f"provenance.source.spec must be a string, got {spec!r}")
     want, seen, missing = rec.get("fingerprint"), [], []
     for cand in _source_candidates(folder, spec, rec.get("kind")):
         try:
@@ -399,41 +395,42 @@ def check_manifest(manifest: dict, path: Path) -> None:
         try:
             finite_number(v, where, minimum=0.0)
         except ValueError as e:
-            raise _bad(path, str(e)) from None
+            raise IntegrityError.at(path, str(e)) from None
 
     modules = manifest.get("modules")
     if not isinstance(modules, dict) or not modules:
-        raise _bad(path, "'modules' must be a non-empty object of module records")
+        raise IntegrityError.at(path, "'modules' must be a non-empty object of module records")
     for name, rec in modules.items():
         where = f"module {name!r}"
         if not isinstance(rec, dict):
-            raise _bad(path, f"{where} must be an object")
+            raise IntegrityError.at(path, f"{where} must be an object")
         option = rec.get("option")
         if not isinstance(option, str):
-            raise _bad(path, f"{where}: option must be a string, got {option!r}")
+            raise IntegrityError.at(path, f"{where}: option must be a string, got {option!r}")
         try:
             QuantOption.parse(option)
         except (ValueError, TypeError, AttributeError) as e:
-            raise _bad(path, f"{where}: {e}") from None
+            raise IntegrityError.at(path, f"{where}: {e}") from None
         shape = rec.get("shape")
         if not isinstance(shape, list) or len(shape) < 2 or not all(
                 isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-            raise _bad(path, f"{where}: shape must be a list of positive integers, got {shape!r}")
+            raise IntegrityError.at(path, f"{where}: shape must be a list of positive integers, got {shape!r}")
         bits_field = "storage_bits" if "storage_bits" in rec else "bits"  # named storage_bits from version 2
         for f in ("bpw", bits_field, "numel", "bytes"):
             number(rec.get(f), f"{where}: {f}")
         if rec["numel"] != math.prod(shape):
-            raise _bad(path, f"{where}: numel {rec['numel']} does not match shape {shape}")
+            raise IntegrityError.at(path, f"{where}: numel {rec['numel']} does not match shape {shape}")
         opt = QuantOption.parse(option)
         if rec[bits_field] != opt.storage_bits(shape) or abs(rec["bpw"] - opt.bpw(shape)) > 1e-6:
-            raise _bad(path, f"{where}: {bits_field}/bpw {rec[bits_field]}/{rec['bpw']} are not the storage of {option}")
+            raise IntegrityError.at(path, f"{where}: {bits_field}/bpw {rec[bits_field]}/{rec['bpw']} "
+                                          f"are not the storage of {option}")
     acc = manifest.get("accounting", {})
     if not isinstance(acc, dict):
-        raise _bad(path, "'accounting' must be an object")
+        raise IntegrityError.at(path, "'accounting' must be an object")
     for k, v in acc.items():
         number(v, f"accounting.{k}", nullable=True)
     if not isinstance(manifest.get("tied", {}), dict):
-        raise _bad(path, "'tied' must be an object")
+        raise IntegrityError.at(path, "'tied' must be an object")
 
 
 def verify_model_file(folder: str | os.PathLike) -> str:

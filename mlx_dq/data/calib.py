@@ -159,7 +159,8 @@ def text_token_ids(tokenizer: Any, texts: Sequence[str], rows: mx.array) -> np.n
 def bos_token(tokenizer: Any) -> int | None:
     """The token the tokenizer puts first when it encodes with special tokens (Gemma's ``<bos>``), else None.
 
-    Models trained with it (Gemma) predict very badly without it (perplexity x10), so rows start with it.
+    Models trained with it (Gemma) predict very badly without it, so rows start with it
+    (docs/pipeline.md#calibration-and-evaluation-text).
     """
     try:
         with_special = list(tokenizer.encode("a", add_special_tokens=True))

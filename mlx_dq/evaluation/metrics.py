@@ -3,8 +3,8 @@ base model, bits per weight with one accounting rule for every method, size and 
 
 Everything is computed in float32 from the model's logits. On the MLX CPU
 backend, evaluate a quantized model through dequantized float32 weights:
-CPU quantized matmuls are far slower and low-precision matmuls accumulate
-error (see the design notes).
+CPU quantized matmuls are far slower (docs/cost.md#figures-behind-the-code)
+and low-precision matmuls accumulate error.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     """Replace every quantized layer by a float32 one (in place) and cast all float parameters to float32.
 
     Uses mlx-lm's own dequantizer for QuantizedLinear / QuantizedEmbedding / QuantizedSwitchLinear
-    and each mlx-dq mixed layer's ``dequantize()``; on the CPU this evaluates exactly and ~70x faster.
+    and each mlx-dq mixed layer's ``dequantize()``; on the CPU this evaluates exactly and far faster.
     """
     from mlx_lm.utils import dequantize_model as mlx_lm_dequantize
 

@@ -316,10 +316,10 @@ def bit_maps(
 ) -> Figure:
     """The optimizer's bit maps for several targets side by side, on one colour scale.
 
-    ``optimize_kw`` goes to :func:`mlx_dq.plan.optimize.optimize` (head option, keep rules, ...);
+    ``optimize_kw`` goes to :func:`mlx_dq.plan.solver.optimize` (head option, keep rules, ...);
     a target outside the measurement's range raises its ValueError.
     """
-    from mlx_dq.plan.optimize import optimize
+    from mlx_dq.plan.solver import optimize
 
     targets = [float(t) for t in targets]
     if not targets:

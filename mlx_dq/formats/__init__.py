@@ -52,7 +52,7 @@ def load_plan_any(path: str | Path, source: Any) -> Any:
     mapped, what was not (with the reason) and what MLX could not store as is.
     """
     from mlx_dq.formats.common import model_modules
-    from mlx_dq.plan.optimize import load_plan
+    from mlx_dq.plan.plan import load_plan
 
     data = read_json(path)
     kind = detect(data)

@@ -149,7 +149,7 @@ def plan_from_widths(
     else stay 16-bit (listed). The import report (mapped, unmapped, adjusted, unnamed) goes
     into ``plan.source``.
     """
-    from mlx_dq.plan.optimize import Plan, PlanEntry
+    from mlx_dq.plan.plan import Plan, PlanEntry
 
     mapped, unmapped = map_names(list(widths), modules, model_type)
     entries, adjusted = [], {}

@@ -30,7 +30,7 @@ def complete_head(plan: Any, modules: Mapping[str, Sequence[int]], head_option: 
     Returns the keys added. ``total_bpw`` is recomputed over every tensor; the budget scope
     (``achieved_bpw``) is unchanged. The plan's settings record what was done, for reports.
     """
-    from mlx_dq.plan.optimize import PlanEntry
+    from mlx_dq.plan.plan import PlanEntry
 
     have = {e.key for e in plan.tensors}
     added = []

@@ -60,7 +60,7 @@ def describe(data: Mapping) -> str:
 
 def from_ours(doc: Mapping) -> dict:
     """Our plan or manifest in this form (the plan's keep rule, if any, as ``scan``)."""
-    from mlx_dq.plan.optimize import Plan, PlanEntry, plan_to_mlx_config
+    from mlx_dq.plan.plan import Plan, PlanEntry, plan_to_mlx_config
 
     if doc.get("format") == "mlx_dq.plan":
         entries = [PlanEntry(**e) for e in doc["tensors"]]

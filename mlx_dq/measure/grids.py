@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 from mlx_dq.errors import InputError
-from mlx_dq.names import ROLES, role_of  # noqa: F401  (the grid's roles; re-exported)
+from mlx_dq.names import ROLES
 from mlx_dq.quant.options import QuantOption
 
 DEFAULT_GRID = "default"
@@ -98,8 +98,3 @@ def load_grid(path_or_name: str | Path | None = None) -> dict[str, list[QuantOpt
             builtin = parse_grid(*_read(DEFAULT_GRID))
         grid[role] = list(builtin[role])
     return {role: grid[role] for role in ROLES}
-
-
-def options_for(grid: dict[str, list[QuantOption]], name: str, in_features: int) -> list[QuantOption]:
-    """The grid's options for parameter ``name`` that fit a tensor with ``in_features`` inputs."""
-    return [o for o in grid[role_of(name)] if o.fits(in_features)]

@@ -155,8 +155,8 @@ class GramCollector:
     def record_output(self, path: str, y: mx.array, bias: mx.array | None) -> None:
         """With ``output_energy``: remember a linear layer's output energy per output channel, ``sum_t (x_t w_i)^2``.
 
-        Why: it equals ``w_i G w_i^T``, which a Gram would give at ``out x in^2`` multiply-adds per tensor (a
-        converted Llama-3-8B layer's error record spent about 1.5 T on it); from the output the forward made
+        Why: it equals ``w_i G w_i^T``, which a Gram would give at ``out x in^2`` multiply-adds per tensor
+        (docs/cost.md#where-the-time-goes); from the output the forward made
         anyway it costs ``tokens x out`` additions. Evaluated at once, so the output is not held until the batch is
         flushed (0.7 GB of outputs in a Llama-3-70B layer's forward on 4 x 512 tokens)."""
         if self.output_energy:

@@ -1,8 +1,8 @@
-"""A model's forward on MLX's CPU backend: attention and SwiGLU equal to float rounding, 2-3x faster.
+"""A model's forward on MLX's CPU backend: attention and SwiGLU equal to float rounding, without MLX's slow ``exp``.
 
-Why: MLX's CPU ``exp`` is scalar (about 17 ns a value) and large temporaries are fresh, page-faulted buffers. At
-SmolLM2-135M's 4 x 512-token batches, MLX's fused attention (which falls back to a plain composition on the
-CPU) took 0.2 s of a decoder layer's 0.3 s, and SwiGLU's sigmoid 0.06 s. Here the attention scores are made a
+Why: MLX's CPU ``exp`` is scalar and large temporaries are fresh, page-faulted buffers, so MLX's fused attention
+(which falls back to a plain composition on the CPU) and SwiGLU's sigmoid take most of a small model's decoder
+layer time (docs/cost.md#where-the-time-goes). Here the attention scores are made a
 block of queries at a time, only up to the last key a causal block can see, SwiGLU goes a block of rows at a
 time, and both take their exponential from a compiled polynomial within one ulp of float64's (MLX's own
 ``exp`` is within 64).

@@ -100,8 +100,8 @@ def half_class(cls: type) -> type:
     :func:`lazy_products`), large linear products by :func:`half_linear`.
 
     Why: a 16-bit weight meets a float32 input through a float32 copy that MLX makes when it evaluates the
-    product; in a lazy layer forward the copies of every weight were alive at once (a Llama-3-8B layer on 4 x 512
-    tokens peaked 1.5 GB above its weights, 0.6 GB when each product is evaluated as it comes)."""
+    product; in a lazy layer forward the copies of every weight would be alive at once, evaluated as they come only
+    one is (docs/cost.md#figures-behind-the-code)."""
     if cls not in _HALF:
         linear = issubclass(cls, nn.Linear) and cls.__call__ is nn.Linear.__call__  # its call is the plain product
 

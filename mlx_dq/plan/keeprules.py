@@ -1,4 +1,4 @@
-"""Command-line keep rules: parts defined by name patterns and N tensors kept 16-bit per part.
+"""Keep rules: tensor name patterns, parts defined by name patterns and N tensors kept 16-bit per part.
 
 ``--part depth=groups.*,heads.*,in_proj --part backbone=layers.*,embed_tokens
 --keep-most-sensitive backbone=2 --keep-most-sensitive depth=999`` is the rule
@@ -8,9 +8,11 @@ form MLX kept-16-bit configs record in their ``scan`` block.
 
 from __future__ import annotations
 
-from typing import Sequence
+import fnmatch
+from typing import Mapping, Sequence
 
 from mlx_dq.errors import InputError
+from mlx_dq.names import split_layer
 
 
 def parse_parts(values: Sequence[str]) -> dict[str, list[str]] | None:
@@ -55,3 +57,30 @@ def check_parts(counts: int | dict[str, int] | None, parts: dict[str, list[str]]
         unknown = sorted(set(counts) - set(parts))
         if unknown:
             raise InputError(f"--keep-most-sensitive names parts no --part defines: {', '.join(unknown)}")
+
+
+def key_matches(key: str, patterns: Sequence[str]) -> bool:
+    """Whether tensor ``key`` (or its parameter name, ``key.weight``) equals or glob-matches one of ``patterns``."""
+    names = (key, key + ".weight")
+    return any(n == p or fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
+
+
+def default_part(key: str) -> str:
+    """The part of a tensor for the keep-most-sensitive rule.
+
+    ``backbone`` for decoder layers (``...layers.N.``), else its first path component.
+    """
+    if (found := split_layer(key, containers=None)) is not None and found[2]:
+        return "backbone"
+    return key.split(".", 1)[0]
+
+
+def part_of(key: str, parts: Mapping[str, Sequence[str]] | None) -> str | None:
+    """The part ``key`` belongs to: the first of ``parts`` (name -> patterns) matching it, or
+    :func:`default_part` when no parts are given; None when no given part matches."""
+    if parts is None:
+        return default_part(key)
+    for name, pats in parts.items():
+        if key_matches(key, pats):
+            return name
+    return None

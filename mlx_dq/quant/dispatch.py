@@ -1,8 +1,8 @@
 """The quantizer: one per-tensor dispatch, and a model quantized one decoder layer at a time.
 
 :func:`quantize_tensor` is the only place that turns a weight, an option and the
-Gram matrix of its inputs into codes: GPTQ error compensation (``method="gptq"``)
-or round-to-nearest with the clip search (``"rtn"``). The measurer calls it for
+Gram matrix of its inputs into codes, as a :class:`~mlx_dq.quant.spec.QuantizerSpec` says: GPTQ error
+compensation (``method="gptq"``) or round-to-nearest with the clip search (``"rtn"``). The measurer calls it for
 every option it measures and the converter for every tensor it writes, so the
 errors a plan is built on are those of the tensors conversion produces.
 
@@ -30,7 +30,6 @@ from mlx_dq.errors import InputError
 from mlx_dq.model.runner import LayerRunner, free_table, record_head_inputs
 from mlx_dq.quant.affine import QuantizedTensor, promote_to_uniform, quantize_weight
 from mlx_dq.quant.gptq import (
-    DEFAULT_DAMP,
     batch_key,
     can_consume,
     consume_gram,
@@ -39,6 +38,7 @@ from mlx_dq.quant.gptq import (
 )
 from mlx_dq.quant.options import QuantOption
 from mlx_dq.quant.rowsplit import RowSplitCodes
+from mlx_dq.quant.spec import QuantizerSpec
 from mlx_dq.runtime import distributed as dist
 from mlx_dq.runtime.threads import (
     ahead_workers,
@@ -47,9 +47,6 @@ from mlx_dq.runtime.threads import (
     thread_map,
 )
 from mlx_dq.safety import check_finite_weight
-
-METHODS = ("gptq", "rtn")  # GPTQ error compensation, or round-to-nearest with the clip search
-
 
 ROW_BLOCK_BYTES = 64 * 2**20  # float32 bytes of one block of output rows quantized at a time (large tensors)
 GPTQ_BATCH_BYTES = 128 * 2**20  # float32 bytes of the weight copies one batched GPTQ pass over several options holds
@@ -83,57 +80,54 @@ def block_budget() -> int:
     return ROW_BLOCK_BYTES // ahead_workers()
 
 
-def quantize_tensor(
-    w: mx.array, option: QuantOption, gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
-    damp: float = DEFAULT_DAMP,
-    promote: bool = False,
-    factor_cache: dict | None = None,
-    scale_dtype: mx.Dtype = mx.float16,
-) -> QuantizedTensor:
-    """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``method == "gptq"``, else RTN + clip.
+def quantize_tensor(w: mx.array, option: QuantOption, gram: mx.array | None, spec: QuantizerSpec | None = None, *,
+                    factor_cache: dict | None = None) -> QuantizedTensor:
+    """Quantize one weight with ``option``: GPTQ when a Gram matrix is there and ``spec.method == "gptq"``, else
+    RTN + clip (``spec``: :class:`~mlx_dq.quant.spec.QuantizerSpec`, default its defaults).
 
     ``gram`` is ``[in, in]``, or ``[E, in, in]`` (one per expert) for an expert bank.
-    ``promote`` quantizes a mixed option in natural channel order and rewrites it
+    ``spec.promote_mixed`` quantizes a mixed option in natural channel order and rewrites it
     losslessly as one uniform tensor at its highest width (stock-loadable).
     ``factor_cache`` (a dict) reuses Hessian factors across options of one tensor.
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    spec = QuantizerSpec() if spec is None else spec
     if option.keep16:
-        return quantize_weight(w, option, scale_dtype=scale_dtype)
-    natural = promote and option.is_mixed
-    if method == "gptq" and gram is not None:
-        if scale_dtype != mx.float16:
+        return quantize_weight(w, option, scale_dtype=spec.scale_dtype)
+    natural = spec.promote_mixed and option.is_mixed
+    if spec.method == "gptq" and gram is not None:
+        if spec.scale_dtype != mx.float16:
             raise ValueError("GPTQ rounds its codes against float16 scales: bfloat16 output needs method rtn")
-        qt = gptq_quantize(w, option, gram, damp=damp, clip=clip, natural_order=natural,
-                           factor_cache=factor_cache, error_stats=False)  # callers meter the error themselves
+        qt = gptq_quantize(w, option, gram, spec, factor_cache=factor_cache,
+                           error_stats=False)  # callers meter the error themselves
     else:
-        qt = quantize_weight(w, option, gram=gram, clip=clip, scale_dtype=scale_dtype, natural_order=natural)
+        qt = quantize_weight(w, option, gram=gram, clip=spec.clip, scale_dtype=spec.scale_dtype,
+                             natural_order=natural)
     return promote_to_uniform(qt) if natural else qt
 
 
 def quantized_blocks(piece: Callable[[slice], mx.array], blocks: Sequence[slice], option: QuantOption,
-                     gram: Any, **kw: Any) -> Iterator[QuantizedTensor]:
+                     gram: Any, spec: QuantizerSpec | None = None, *,
+                     factor_cache: dict | None = None) -> Iterator[QuantizedTensor]:
     """:func:`quantize_tensor` of ``piece(sl)`` for each of ``blocks``, in order, each result evaluated.
 
-    The first block is quantized here (GPTQ's Hessian factor is made once, into ``kw["factor_cache"]``), the
+    The first block is quantized here (GPTQ's Hessian factor is made once, into ``factor_cache``), the
     others ahead of the caller on worker threads (:func:`~mlx_dq.runtime.threads.map_ahead`). Why: a large head's options
     are quantized one 64 MiB block after another while their error and KL are taken, and the group-parameter
     search and GPTQ's column loop run on one core. Rows are independent: the codes are the same on any thread."""
-    kw.setdefault("factor_cache", {})
+    factors = {} if factor_cache is None else factor_cache
 
     def one(sl: slice) -> QuantizedTensor:
-        return evaluated_result(quantize_tensor(piece(sl), option, gram, **kw))
+        return evaluated_result(quantize_tensor(piece(sl), option, gram, spec, factor_cache=factors))
 
     if not blocks:
         return
     yield one(blocks[0])
-    evaluated_result((gram, kw["factor_cache"]))  # read by the workers: nothing lazy crosses threads
+    evaluated_result((gram, factors))  # read by the workers: nothing lazy crosses threads
     yield from map_ahead(one, list(blocks[1:]))
 
 
-def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, rows: np.ndarray | None = None,
-                  **kw: Any) -> QuantizedTensor:
+def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, spec: QuantizerSpec | None = None, *,
+                  rows: np.ndarray | None = None, factor_cache: dict | None = None) -> QuantizedTensor:
     """:func:`quantize_tensor` of a large tensor one block of output rows at a time (:func:`row_blocks`).
 
     Rows are independent (the Gram matrix and the channel order are the whole
@@ -152,9 +146,9 @@ def quantize_rows(w: mx.array, option: QuantOption, gram: mx.array | None, *, ro
         whole = w if rows is None else piece(slice(None))
         if rows is not None:
             mx.eval(whole)  # made here: a worker thread's lazy array cannot be evaluated by the caller's thread
-        return quantize_tensor(whole, option, gram, **kw)
+        return quantize_tensor(whole, option, gram, spec, factor_cache=factor_cache)
     parts, count, base, best, seconds = [], 0, 0.0, 0.0, 0.0
-    for qt in quantized_blocks(piece, blocks, option, gram, **kw):
+    for qt in quantized_blocks(piece, blocks, option, gram, spec, factor_cache=factor_cache):
         st = qt.stats
         if "clipped_fraction" in st:  # back to a count: exact (the fraction is count / size)
             count += round(st["clipped_fraction"] * math.prod(qt.shape))
@@ -189,7 +183,7 @@ def join_rows(blocks: Sequence[QuantizedTensor]) -> QuantizedTensor:
 
 
 def option_quantizer(
-    w: mx.array, options: Sequence[QuantOption], gram: mx.array | None, *, method: str = "gptq", clip: bool = True,
+    w: mx.array, options: Sequence[QuantOption], gram: mx.array | None, spec: QuantizerSpec | None = None, *,
     factor_cache: dict | None = None, batch_bytes: int = GPTQ_BATCH_BYTES,
 ) -> Callable[[QuantOption], tuple[QuantizedTensor, float]]:
     """A function giving :func:`quantize_tensor`'s result and seconds for each of ``options``, asked in their order.
@@ -200,11 +194,12 @@ def option_quantizer(
     per-column overhead for small tensors. Each batch is made when its first option
     is asked for; the seconds are the batch's, shared evenly.
     """
+    spec = QuantizerSpec() if spec is None else spec
     options = list(options)
     in_f = int(w.shape[-1])
     shared = gram is not None and (w.ndim == 2 or gram.ndim == 2)
-    keys = {o.desc: batch_key(o, in_f) for o in options
-            if method == "gptq" and shared and not o.keep16 and o.fits(in_f)}
+    keys = {o.desc: batch_key(o, in_f, spec) for o in options
+            if spec.method == "gptq" and shared and not o.keep16 and o.fits(in_f)}
     per_batch = max(1, batch_bytes // (3 * 4 * math.prod(int(d) for d in w.shape)))
     ready: dict[str, tuple[QuantizedTensor, float]] = {}
 
@@ -213,11 +208,11 @@ def option_quantizer(
             return ready.pop(option.desc)
         t0 = time.perf_counter()
         if option.desc not in keys:
-            qt = quantize_tensor(w, option, gram, method=method, clip=clip, factor_cache=factor_cache)
+            qt = quantize_tensor(w, option, gram, spec, factor_cache=factor_cache)
             return qt, time.perf_counter() - t0
         at = next(i for i, o in enumerate(options) if o.desc == option.desc)
         batch = [option] + [o for o in options[at + 1:] if keys.get(o.desc) == keys[option.desc]][: per_batch - 1]
-        qts = gptq_quantize_many(w, batch, gram, clip=clip, factor_cache=factor_cache, error_stats=False)
+        qts = gptq_quantize_many(w, batch, gram, spec, factor_cache=factor_cache, error_stats=False)
         seconds = (time.perf_counter() - t0) / len(batch)
         ready.update({o.desc: (q, seconds) for o, q in zip(batch[1:], qts[1:])})
         return qts[0], seconds
@@ -236,7 +231,7 @@ class QuantizedModule:
     path: str
     module: nn.Module
     qt: QuantizedTensor  # a row-split table: its cold rows
-    gram: Any  # the input Gram; its stand-in (mlx_dq.quant.gptq.FactoredGram) once it became the Hessian factor
+    gram: Any  # the input Gram; its stand-in (mlx_dq.quant.hessian.FactoredGram) once it became the Hessian factor
     weight: mx.array | None  # None for a lookup table (no Gram: its record needs no weight)
     split: RowSplitCodes | None = None
     energy: mx.array | None = None  # output energy per output row, w_i G w_i^T, when the forward recorded it
@@ -256,14 +251,12 @@ class StreamPart:
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """How :func:`quantize_stream` quantizes (see :class:`mlx_dq.settings.QuantizeSettings`)."""
+    """How :func:`quantize_stream` quantizes: the quantizer ``spec`` (see
+    :meth:`mlx_dq.settings.QuantizeSettings.quantizer`), and ``sequential``: each layer's inputs come from the
+    already-quantized earlier layers."""
 
-    method: str = "gptq"
+    spec: QuantizerSpec = QuantizerSpec()
     sequential: bool = True
-    clip: bool = True
-    damp: float = DEFAULT_DAMP
-    promote_mixed: bool = False
-    scale_dtype: Any = mx.float16
 
 
 def tensor_work(w: mx.array) -> int:
@@ -277,14 +270,13 @@ def _quantize_one(w: mx.array, option: QuantOption, gram: Any, how: StreamOption
     """One tensor with its planned option; a table with frequent-token rows ``split`` (ids, hot option): the
     other rows with ``option`` and the hot ones with theirs, one block of rows at a time (no copy of the table).
     ``factor_cache``: holds the Hessian factor of a consumed Gram (see :func:`_can_consume`)."""
-    kw = dict(method=how.method, clip=how.clip, damp=how.damp, promote=how.promote_mixed, scale_dtype=how.scale_dtype,
-              factor_cache={} if factor_cache is None else factor_cache)
+    spec, factors = how.spec, {} if factor_cache is None else factor_cache
     if split is None:
-        return quantize_rows(w, option, gram, **kw), None
+        return quantize_rows(w, option, gram, spec, factor_cache=factors), None
     ids, hot_option = split
     cold = np.setdiff1d(np.arange(int(w.shape[0])), ids)
-    return (quantize_rows(w, option, gram, rows=cold, **kw),
-            RowSplitCodes(ids, quantize_rows(w, hot_option, gram, rows=ids, **kw)))
+    return (quantize_rows(w, option, gram, spec, rows=cold, factor_cache=factors),
+            RowSplitCodes(ids, quantize_rows(w, hot_option, gram, spec, rows=ids, factor_cache=factors)))
 
 
 def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, QuantOption],
@@ -307,7 +299,7 @@ def _quantize_all(mods: dict[str, nn.Module], stats: dict, options: dict[str, Qu
     def one(path: str, w: mx.array, gram: mx.array | None) -> tuple[QuantizedTensor, RowSplitCodes | None]:
         opt, cache = options.get(path, QuantOption.fp16()), {}
         if _can_consume(w, opt, stats.get(path), how, splits.get(path), (energies or {}).get(path)):
-            gram = grams[path] = stats[path].gram = consume_gram(gram, cache, how.damp)
+            gram = grams[path] = stats[path].gram = consume_gram(gram, cache, how.spec)
         return _quantize_one(w, opt, gram, how, splits.get(path), cache)
 
     qts = thread_map(one, [(p, mod.weight, grams.get(p)) for p, mod in mods.items()], None if parallel else 1,
@@ -322,7 +314,8 @@ def _can_consume(w: mx.array, option: QuantOption, st: Any, how: StreamOptions, 
     rows' output energies known, so the record needs no Gram. Why: one ``k x k`` array instead of two while the
     tensor is quantized (822 MB at Llama-3-8B's 14,336-channel ``down_proj`` input)."""
     gram = None if st is None else st.gram
-    return (how.method == "gptq" and not option.keep16 and not (how.promote_mixed and option.is_mixed)
+    spec = how.spec
+    return (spec.method == "gptq" and not option.keep16 and not (spec.promote_mixed and option.is_mixed)
             and split is None and energy is not None and w.ndim == 2 and can_consume(gram) and len(st.group) <= 1)
 
 
@@ -333,7 +326,8 @@ def _run_shared(mods: dict[str, nn.Module], stats: dict, options: dict[str, Quan
     for path, mod in mods.items():  # every rank checks every weight, so a bad one stops all ranks alike
         check_finite_weight(path, mod.weight)
     opts = {p: options.get(p, QuantOption.fp16()) for p in mods}
-    costs = [dist.option_cost(tuple(m.weight.shape), how.method, how.clip, opts[p].keep16) for p, m in mods.items()]
+    costs = [dist.option_cost(tuple(m.weight.shape), how.spec.method, how.spec.clip, opts[p].keep16)
+             for p, m in mods.items()]
     owner = dict(zip(mods, dist.split_by_cost(costs)))
     mine = {}
     for path, mod in mods.items():
@@ -369,16 +363,14 @@ def quantize_stream(
     progress: bool = True,
     row_splits: dict[str, tuple[np.ndarray, QuantOption]] | None = None,
     _fail_after_layer: int | None = None,
-    **how_options: Any,
 ) -> Iterator[StreamPart]:
     """Quantize ``source`` one decoder layer at a time over calibration ``tokens``; yield a :class:`StreamPart` each.
 
     Every linear layer, expert bank and embedding is quantized with ``options``
-    (16-bit when it has no entry). ``how`` (or its fields as keywords: method,
-    sequential, clip, damp, promote_mixed, scale_dtype) says how. ``row_splits``
+    (16-bit when it has no entry). ``how`` (default :class:`StreamOptions`' defaults) says how. ``row_splits``
     (table path -> hot ids, hot option) stores those tables with frequent-token rows.
     """
-    how = StreamOptions(**how_options) if how is None else how
+    how = StreamOptions() if how is None else how
     runner = LayerRunner(source, tokens, batch_size)
     _check_plan_names(runner, options, source)
     runner.load_for_probe()

@@ -18,7 +18,9 @@ LEAF = 64  # the triangular inverse's recursion ends in blocks this small
 CHUNK_FLOATS = 1 << 24  # a trailing update's row chunk: at most this many float32 (64 MiB) at a time
 
 
-def _rows_per_chunk(width: int) -> int:
+def rows_per_chunk(width: int) -> int:
+    """Rows of a ``width``-wide float32 matrix per chunk of at most :data:`CHUNK_FLOATS` values (at least one):
+    the step by which the Hessian code reads and writes ``k x k`` matrices without a ``k x k`` temporary."""
     return max(1, CHUNK_FLOATS // max(width, 1))
 
 
@@ -79,7 +81,7 @@ def cholesky_in_place(m: mx.array, block: int = 0) -> int:
         panel = mx.contiguous(m[j1:, j0:j1]) @ mx.array(_small_lower_inverse(d)).T
         mx.eval(panel)
         a[j1:, j0:j1] = np.asarray(panel)
-        step = _rows_per_chunk(k - j1)
+        step = rows_per_chunk(k - j1)
         for i0 in range(j1, k, step):  # trailing update of the lower triangle: A22 -= L21 L21^T, a row chunk at a time
             i1 = min(i0 + step, k)
             upd = m[i0:i1, j1:i1] - panel[i0 - j1:i1 - j1] @ panel[:i1 - j1].T
@@ -98,7 +100,7 @@ def unfactor_in_place(m: mx.array, done: int) -> None:
     k = a.shape[0]
     if done == 0:
         return
-    step = _rows_per_chunk(k)
+    step = rows_per_chunk(k)
     for i0 in range(done, k, step):  # every L21 row is read here, so A21 is written only after this loop
         i1 = min(i0 + step, k)
         upd = m[i0:i1, done:i1] + m[i0:i1, :done] @ m[done:i1, :done].T
@@ -133,7 +135,7 @@ def permute_in_place(a: np.ndarray, perm: np.ndarray) -> None:
                 break
             a[j] = a[nxt]
             j = nxt
-    step = _rows_per_chunk(k)
+    step = rows_per_chunk(k)
     for i0 in range(0, k, step):  # np.take, not fancy indexing: 8x faster here
         a[i0:i0 + step] = np.take(a[i0:i0 + step], perm, axis=1)
 
@@ -151,7 +153,7 @@ def lower_inverse_in_place(m: mx.array, block: int = 0) -> None:
         if j1 < k:
             l21, dinv_mx = mx.contiguous(m[j1:, j0:j1]), mx.array(dinv)
             mx.eval(l21)
-            step = _rows_per_chunk(k - j1)
+            step = rows_per_chunk(k - j1)
             for i0 in range(j1, k, step):  # rows of inv(L22) are lower triangular: columns j1..i1 only
                 i1 = min(i0 + step, k)
                 x = -((m[i0:i1, j1:i1] @ l21[:i1 - j1]) @ dinv_mx)
@@ -165,7 +167,7 @@ def reverse_in_place(a: np.ndarray, rows: int = 0) -> None:
     """``a[:] = a[::-1, ::-1]`` for a ``[k, k]`` array, swapping mirrored row chunks (no ``k x k`` temporary)."""
     k = a.shape[0]
     half = k // 2
-    step = rows or _rows_per_chunk(k)
+    step = rows or rows_per_chunk(k)
     for i0 in range(0, half, step):
         i1 = min(i0 + step, half)
         top = a[i0:i1].copy()

@@ -27,11 +27,9 @@ complete layer when the same command (same number of ranks) is run again.
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import mlx.core as mx
@@ -398,43 +396,3 @@ def gather_layer(records: list, imp: dict, refs: dict, owner: dict[tuple[str, st
     all_refs = {k: v for e in every for k, v in e[2].items()}
     return (merged, {k: all_imp[k] for k in order if k in all_imp},
             {k: all_refs[k] for k in order if k in all_refs})
-
-
-# --------------------------------------------------------------------------
-# resume states (one per rank)
-# --------------------------------------------------------------------------
-def state_path(out: Path, layer: int) -> Path:
-    """This rank's resume state after ``layer`` next to the measurement file ``out``."""
-    return out.with_name(f"{out.name}.state.rank{rank()}of{size()}.layer{layer}.safetensors")
-
-
-def save_state(out: Path, layer: int, hidden: LocalRows, settings: str, carried: dict[int, mx.array]) -> None:
-    """Write this rank's hidden states (and carried copies) after ``layer`` atomically."""
-    sp = state_path(out, layer)
-    sp.parent.mkdir(parents=True, exist_ok=True)
-    tmp = sp.with_name(sp.name.replace(".safetensors", ".tmp.safetensors"))
-    arrays = {**hidden.arrays(), **{f"carried.{k}": v for k, v in carried.items()}}
-    mx.save_safetensors(str(tmp), arrays, metadata={"layer": str(layer), "settings": settings})
-    os.replace(tmp, sp)
-
-
-def load_state(out: Path, layer: int, settings: str, batches: list[slice]) -> tuple[LocalRows, dict] | None:
-    """This rank's state after ``layer``, or None when it is missing or from other settings."""
-    sp = state_path(out, layer)
-    if not sp.exists():
-        return None
-    arrays, meta = mx.load(str(sp), return_metadata=True)
-    if meta.get("settings") != settings:
-        return None
-    parts = {int(k.split(".", 1)[1]): v for k, v in arrays.items() if k.startswith("hidden.")}
-    carried = {int(k.split(".", 1)[1]): v for k, v in arrays.items() if k.startswith("carried.")}
-    return LocalRows(parts, batches), carried
-
-
-def drop_states(out: Path, before: int | None = None) -> None:
-    """Delete this rank's states of layers before ``before`` (all when None)."""
-    prefix = f"{out.name}.state.rank{rank()}of{size()}.layer"
-    for p in out.parent.glob(prefix + "*.safetensors"):
-        tail = p.name[len(prefix):].split(".")[0]
-        if tail.isdigit() and (before is None or int(tail) < before):
-            p.unlink(missing_ok=True)

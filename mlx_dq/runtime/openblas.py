@@ -1,7 +1,7 @@
 """Use Debian's OpenBLAS for MLX's CPU matrix products when the ``mlx_dq`` command starts on Linux.
 
-The ``mlx[cpu]`` wheel's own float32 GEMM is about ten times slower than
-OpenBLAS (pthread build) preloaded, with the same results. A library can only
+The ``mlx[cpu]`` wheel's own float32 GEMM is much slower than OpenBLAS
+(pthread build) preloaded, with the same results (docs/cost.md#openblas-on-linux). A library can only
 be preloaded before the process starts, so the command re-executes itself once
 with ``LD_PRELOAD`` set (and a one-line note on stderr). ``MLX_DQ_NO_OPENBLAS=1``
 turns this off; a guard variable stops any second re-exec; macOS is never touched.
@@ -19,7 +19,8 @@ GUARD_VAR = "MLX_DQ_OPENBLAS_REEXEC"
 PATH_VAR = "MLX_DQ_OPENBLAS_PATH"  # another OpenBLAS build to preload (tests, other distributions)
 _FALSE = ("", "0", "false", "no", "off")
 INSTALL = "apt-get install libopenblas0-pthread"  # Debian/Ubuntu's package of the library at OPENBLAS_PATH
-# float32 matmul rate with it preloaded / without: ~84 vs ~6 GFLOP/s on a 2-core Linux machine (shared/design.md)
+# a typical ratio of float32 matmul rates with it preloaded / without, for the estimate's time with OpenBLAS (a
+# process without it cannot time the rate with it; docs/cost.md#figures-behind-the-code)
 SPEEDUP = 14.0
 
 

@@ -75,8 +75,8 @@ _arena_set = False
 def _one_malloc_arena() -> None:
     """On glibc, let worker threads allocate from the main malloc arena instead of one arena each.
 
-    Each extra arena keeps freed memory of its own: measuring 6 layers of SmolLM2-135M on two
-    threads peaked at 2.10 GB RSS, with one arena at 1.92 GB (as on one thread) and no slower.
+    Each extra arena keeps freed memory of its own, which raises the peak RSS for no speed; with one arena the
+    workers peak as one thread does (docs/cost.md#threads).
     """
     global _arena_set
     if _arena_set or not sys.platform.startswith("linux"):
@@ -94,8 +94,8 @@ _numpy_blas_set = False
 def _numpy_blas_one_thread() -> None:
     """On Linux, let numpy's bundled OpenBLAS (its small factorisations in :mod:`mlx_dq.quant.linalg`) run on one thread.
 
-    Its own threads, started per call from each worker, fought the other worker and MLX's matmuls: on 2 cores
-    ``numpy.linalg.cholesky`` of a 576-channel Gram took 165 ms in the measurer instead of 37 ms. MLX's BLAS (a
+    Its own threads, started per call from each worker, fight the other worker and MLX's matmuls for the cores and
+    make small factorisations several times slower (docs/cost.md#threads). MLX's BLAS (a
     different library) keeps its threads. Nothing changes where numpy uses another BLAS (Accelerate on macOS)."""
     global _numpy_blas_set
     if _numpy_blas_set or not sys.platform.startswith("linux"):
@@ -141,7 +141,7 @@ class _Workers:
     """``n`` threads that run submitted calls in turn; each clears its MLX streams (``mx.clear_streams``) as it ends.
 
     Why: threads that ended with their streams in place made short scripts abort at exit ("terminate called without
-    an active exception", status 134) in 4 runs of 6 (ml-explore/mlx#3126). As a context manager, leaving it waits
+    an active exception", status 134; ml-explore/mlx#3126). As a context manager, leaving it waits
     for the calls and ends the threads."""
 
     def __init__(self, n: int, daemon: bool = False) -> None:
@@ -154,7 +154,7 @@ class _Workers:
         try:
             while (job := self._jobs.get()) is not None:
                 self._call(*job)
-                del job  # an idle worker holds nothing of its last call: a kept one held a 235 MB weight
+                del job  # an idle worker holds nothing of its last call (its arrays would live until the next)
         finally:
             mx.clear_streams()  # the thread's last MLX call: it cannot make a stream again
 
@@ -202,7 +202,7 @@ def _pool(n: int, n_items: int) -> Iterator[_Workers]:
     """``n`` worker threads: for the main thread a set kept for the process (ended at exit), else one for this call.
 
     Why: MLX never frees the stream thread it starts for each new thread that runs MLX work (mlx 0.32), so a set of
-    workers per call left ``n`` threads behind each time: 168 after 40 GPTQ calls, the peak RSS 307 -> 395 MB.
+    workers per call would leave ``n`` threads, and their memory, behind each time (docs/cost.md#threads).
     At most ``n_items`` threads for one call."""
     _one_malloc_arena()
     _numpy_blas_one_thread()
