@@ -27,12 +27,13 @@ def main() -> None:
     from mlx_dq.data import calib as calib_mod
     from mlx_dq.measure.grids import load_grid
     from mlx_dq.measure.records import Measurement
-    from mlx_dq.measure.tensor import measure_tensor
+    from mlx_dq.measure.tensor import HowToMeasure, measure_tensor
     from mlx_dq.model.capture import GramCollector, quantizable_modules
     from mlx_dq.model.runner import probe_layers
     from mlx_dq.model.sources import default_gguf_path, resolve
     from mlx_dq.names import role_of
     from mlx_dq.plan.solver import optimize
+    from mlx_dq.quant.spec import QuantizerSpec
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="0,15,29")
@@ -62,8 +63,9 @@ def main() -> None:
         role = role_of(path)
         for kind, n in (("full", 0), ("sampled", args.sample_rows)):
             t = time.perf_counter()
-            recs[kind][path] = measure_tensor(path, mod.weight, grid[role], col.stats[path], role, clip=True,
-                                              method="gptq", sample_rows=n)
+            recs[kind][path] = measure_tensor(path, mod.weight, grid[role], col.stats[path], role,
+                                              spec=QuantizerSpec(method="gptq", clip=True),
+                                              how=HowToMeasure(sample_rows=n))
             secs[kind] += time.perf_counter() - t
         for a, b in zip(recs["full"][path].options, recs["sampled"][path].options):
             diffs.append(abs(b.err - a.err) / a.err)

@@ -1,4 +1,5 @@
-"""The package's shape: stages are subpackages, each imports only the stages before it, and functions stay short.
+"""The package's shape: stages are subpackages, each imports only the stages before it, and functions stay short
+(in lines and in parameters).
 
 STAGES is the order the README's layout section lists: foundations (errors,
 names, file safety), how mlx-dq runs (runtime), text (data), model sources and
@@ -44,6 +45,12 @@ def _stage(module: str) -> str:
 # functions longer than MAX_LINES, each with the reason it stays whole (see the README's layout section)
 MAX_LINES = 80
 LONG_FUNCTIONS = {
+}
+
+# functions outside click commands with more than MAX_PARAMETERS parameters, each with the reason
+MAX_PARAMETERS = 10
+LONG_PARAMETER_LISTS = {
+    "mlx_dq.conversion.pipeline.convert": "the Python API: its keyword options mirror the CLI's settings",
 }
 
 
@@ -153,6 +160,73 @@ def test_functions_stay_short_except_the_listed_ones():
     long = _long_functions()
     assert sorted(set(long) - set(LONG_FUNCTIONS)) == [], long
     assert sorted(set(LONG_FUNCTIONS) - set(long)) == [], "a listed function got short: drop it from the list"
+
+
+def _is_click_command(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether a decorator makes ``node`` a click command: ``@click.<anything>`` or a group's ``.command()``."""
+    for d in node.decorator_list:
+        f = d.func if isinstance(d, ast.Call) else d
+        while isinstance(f, ast.Attribute):
+            if f.attr in ("command", "group"):
+                return True
+            f = f.value
+        if isinstance(f, ast.Name) and f.id == "click":
+            return True
+    return False
+
+
+def _parameter_counts(module: str, tree: ast.AST) -> dict[str, int]:
+    """Every function of ``tree`` that is no click command -> its named parameters (``self``/``cls`` and
+    ``*args``/``**kwargs`` not counted), by qualified name."""
+    out = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for sub in ast.iter_child_nodes(node):
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = sub.args
+                named = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+                n = len(named) - (1 if named and named[0].arg in ("self", "cls") else 0)
+                if not _is_click_command(sub):
+                    out[f"{prefix}.{sub.name}"] = n
+                visit(sub, f"{prefix}.{sub.name}")
+            elif isinstance(sub, ast.ClassDef):
+                visit(sub, f"{prefix}.{sub.name}")
+            else:
+                visit(sub, prefix)
+
+    visit(tree, module)
+    return out
+
+
+def _long_parameter_lists() -> dict[str, int]:
+    out = {}
+    for name, path in _modules().items():
+        counts = _parameter_counts(name, ast.parse(path.read_text(encoding="utf-8")))
+        out.update({f: n for f, n in counts.items() if n > MAX_PARAMETERS})
+    return out
+
+
+def test_parameter_lists_stay_short_except_the_listed_ones():
+    """No function outside click commands takes more than MAX_PARAMETERS parameters unless listed with a reason:
+    a long list is grouped into a small value (settings, a frozen dataclass of options) instead."""
+    long = _long_parameter_lists()
+    assert sorted(set(long) - set(LONG_PARAMETER_LISTS)) == [], long
+    assert sorted(set(LONG_PARAMETER_LISTS) - set(long)) == [], "a listed function got short: drop it from the list"
+    assert all(isinstance(why, str) and why.strip() for why in LONG_PARAMETER_LISTS.values())
+
+
+def test_the_parameter_checker_counts_functions_and_methods_but_not_click_commands():
+    names = ", ".join(f"a{i}" for i in range(11))
+    ten = names.removeprefix("a0, ")
+    src = (f"import click\n\ndef f({names}): pass\n\ndef g(*args, {ten}, **kw): pass\n\n"
+           f"class C:\n    def m(self, {names}): pass\n\n    def n(self, {ten}): pass\n\n"
+           f"@click.command()\n@click.option('--a0')\ndef cmd({names}): pass\n\n"
+           f"@main.command()\ndef sub({names}): pass\n\ndef outer():\n    def inner({names}): pass\n")
+    counts = _parameter_counts("mlx_dq.x", ast.parse(src))
+    assert {k: n for k, n in counts.items() if n > MAX_PARAMETERS} == {
+        "mlx_dq.x.f": 11, "mlx_dq.x.C.m": 11, "mlx_dq.x.outer.inner": 11}
+    assert counts["mlx_dq.x.g"] == counts["mlx_dq.x.C.n"] == 10
+    assert "mlx_dq.x.cmd" not in counts and "mlx_dq.x.sub" not in counts
 
 
 def test_readme_layout_lists_every_stage_in_order():

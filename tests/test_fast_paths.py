@@ -326,8 +326,8 @@ def test_measure_in_row_blocks_equals_one_piece(method, clip, desc, kind, monkey
     def run(budget: int | None):
         seen = []
         monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", budget or 2**40)
-        rec = tensor_mod.measure_tensor("t", w, opts, stats, "default", lookup=lookup, clip=clip, method=method,
-                                         damage_fn=lambda wq: seen.append(np.array(wq)) or 0.0)
+        rec = tensor_mod.measure_tensor("t", w, opts, stats, "default", spec=QuantizerSpec(method=method, clip=clip),
+                                         lookup=lookup, damage_fn=lambda wq: seen.append(np.array(wq)) or 0.0)
         return rec.options[0], seen[0]
 
     one, wq_one = run(None)

@@ -15,6 +15,7 @@ from fixtures_models import (
     save_tokenizer,
     tiny_tokenizer,
 )
+from mlx.utils import tree_unflatten
 
 from mlx_dq.data import calib
 from mlx_dq.evaluation.metrics import perplexity
@@ -25,6 +26,7 @@ from mlx_dq.measure.tensor import reference_option
 from mlx_dq.model.sources import resolve
 from mlx_dq.quant.affine import quantize_weight
 from mlx_dq.quant.options import QuantOption
+from mlx_dq.quant.spec import QuantizerSpec
 
 GRID = {"default": ["1.0:2b_64g", "1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g", "1.0:4b_32g", "1.0:4b_128g", "1.0:8b_64g"]}
 
@@ -68,12 +70,6 @@ class _Recorder(nn.Module):
         return self.inner(x, *args, **kwargs)
 
 
-def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = dict(model.named_modules())[parent_path] if parent_path else model
-    setattr(parent, name, new)
-
-
 def _direct_errors(folder: Path, tokens: mx.array, paths: list[str], option: str) -> dict[str, float]:
     """Relative output errors from running the whole model and re-multiplying each layer's actual inputs.
 
@@ -83,7 +79,7 @@ def _direct_errors(folder: Path, tokens: mx.array, paths: list[str], option: str
     recs = {}
     for p in paths:
         recs[p] = _Recorder(dict(model.named_modules())[p])
-        _set_module(model, p, recs[p])
+        model.update_modules(tree_unflatten([(p, recs[p])]))
     mx.eval(model(tokens))
     out = {}
     for p, rec in recs.items():
@@ -321,7 +317,7 @@ def test_bundled_model_gram_errors_match_direct(tmp_path):
     recs = {}
     for p in keys:
         recs[p] = _Recorder(dict(model.named_modules())[p])
-        _set_module(model, p, recs[p])
+        model.update_modules(tree_unflatten([(p, recs[p])]))
     mx.eval(model(tokens))
     for p, rec in recs.items():
         x = mx.concatenate([s[0].reshape(-1, s[0].shape[-1]) for s in rec.seen])
@@ -382,7 +378,7 @@ def test_gptq_measurement_gives_the_converters_errors(folders, grid_file):
     model = src.model(mx.float32)
     key = "model.layers.1.mlp.down_proj"
     rec = _Recorder(dict(model.named_modules())[key])
-    _set_module(model, key, rec)
+    model.update_modules(tree_unflatten([(key, rec)]))
     mx.eval(model(_tokens(folder, 4, 48)))
     x = mx.concatenate([s[0].reshape(-1, s[0].shape[-1]) for s in rec.seen])
     w = rec.inner.weight
@@ -531,7 +527,7 @@ def test_reference_weights_wait_at_their_stored_size(block_rows, monkeypatch):
         monkeypatch.setattr(quantize_mod, "ROW_BLOCK_BYTES", 4 * 128 * block_rows)
     kept = {ref.desc: None}
     measure_tensor("t", w, [ref, QuantOption.parse("1.0:4b_64g")], InputStats(gram=gram, rows=256), "default",
-                   kept=kept)
+                   spec=QuantizerSpec(method="rtn", clip=True), kept=kept)
     qt = kept[ref.desc]
     assert qt.out_sq is None and not qt.stats and qt.shape == (300, 128)
     assert qt.nbytes() < 0.25 * w.size * 2
@@ -560,7 +556,7 @@ def test_lookup_table_measured_on_its_looked_up_rows_only():
     counts[[3, 7, 7, 250, 299]] = [2, 5, 1, 1, 3]
     lookup = InputStats(group=("emb",), rows=12, token_counts=counts)
     opts = [QuantOption.parse(d) for d in ("1.0:2b_32g", "1.0:4b_64g", "0.5:4b_32g/0.5:3b_32g")]
-    rec = measure_tensor("emb", w, opts, None, "embedding", lookup=lookup, clip=True)
+    rec = measure_tensor("emb", w, opts, None, "embedding", spec=QuantizerSpec(method="rtn", clip=True), lookup=lookup)
     assert rec.extra["sampled_rows"] == 4
     for o, r in zip(opts, rec.options):
         wq = quantize_weight(w, o, clip=True).dequantize(mx.float32)

@@ -21,7 +21,7 @@ from mlx_dq.measure.records import (
     load_measurement,
 )
 from mlx_dq.plan.plan import load_plan, plan_to_mlx_config, save_plan
-from mlx_dq.plan.solver import optimize
+from mlx_dq.plan.solver import SolverEffort, optimize
 from mlx_dq.quant.options import QuantOption
 
 UNIFORM = [QuantOption.uniform(b, g) for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)]
@@ -88,7 +88,7 @@ def test_exact_on_tiny_instances_and_bound_is_valid() -> None:
         best = _brute(m, math.floor(target * n))
         plan = optimize(m, target)
         assert plan.objective == pytest.approx(best, rel=1e-12, abs=1e-15)
-        heuristic = optimize(m, target, exact_states=0)  # the Lagrangian + exchange path alone
+        heuristic = optimize(m, target, effort=SolverEffort(exact_states=0))  # the Lagrangian + exchange path alone
         assert heuristic.lower_bound <= best * (1 + 1e-12) + 1e-15
         assert heuristic.objective >= best * (1 - 1e-12)
         assert heuristic.used_bits <= math.floor(target * n)
@@ -97,7 +97,7 @@ def test_exact_on_tiny_instances_and_bound_is_valid() -> None:
 def test_heuristic_gap_is_small_on_many_tensors() -> None:
     m = _random(np.random.default_rng(3), 200, 10)
     lo, hi, n = _range(m)
-    plan = optimize(m, (0.6 * lo + 0.4 * hi) / n, exact_states=0)
+    plan = optimize(m, (0.6 * lo + 0.4 * hi) / n, effort=SolverEffort(exact_states=0))
     assert plan.gap <= 0.01 * plan.objective
     assert plan.achieved_bpw >= plan.target_bpw - 0.02
 

@@ -299,7 +299,7 @@ def test_sampled_rows_error_equals_full_quantization_on_those_rows(method, clip)
     import numpy as np
 
     from mlx_dq.measure.meter import output_row_sample
-    from mlx_dq.measure.tensor import measure_tensor
+    from mlx_dq.measure.tensor import HowToMeasure, measure_tensor
     from mlx_dq.model.capture import InputStats
     from mlx_dq.quant.affine import output_error
     from mlx_dq.quant.dispatch import quantize_tensor
@@ -312,8 +312,8 @@ def test_sampled_rows_error_equals_full_quantization_on_those_rows(method, clip)
     gram = mx.array(x.T @ x)
     opts = [QuantOption.parse(d) for d in ("1.0:2b_64g", "1.0:3b_64g", "0.5:4b_32g/0.5:3b_64g")]
     kept = {"1.0:3b_64g": None}
-    rec = measure_tensor("t", w, opts, InputStats(gram=gram, rows=512), "default", clip=clip, method=method,
-                         kept=kept, sample_rows=64)
+    rec = measure_tensor("t", w, opts, InputStats(gram=gram, rows=512), "default",
+                         spec=QuantizerSpec(method=method, clip=clip), kept=kept, how=HowToMeasure(sample_rows=64))
     idx, rw = output_row_sample("t", w, gram, 64)
     assert rec.extra["sampled_rows"] == 64 and kept["1.0:3b_64g"].shape == (300, 128)
     for o in rec.options:
@@ -848,10 +848,11 @@ def test_consumed_gram_measures_the_same():
     factor: the same record and kept weight as with the Gram kept beside its factor; the collector's stats then hold
     the stand-in, and a Gram shared with another tensor, or an option the factor cannot serve, is left alone."""
     from mlx_dq.measure.meter import output_energies
-    from mlx_dq.measure.tensor import measure_tensor
+    from mlx_dq.measure.tensor import HowToMeasure, measure_tensor
     from mlx_dq.model.capture import InputStats
     from mlx_dq.quant.gptq import FactoredGram
     from mlx_dq.quant.options import QuantOption
+    from mlx_dq.quant.spec import QuantizerSpec
 
     rng = np.random.default_rng(4)
     x = rng.normal(size=(512, 128)).astype(np.float32)
@@ -863,8 +864,9 @@ def test_consumed_gram_measures_the_same():
         st = InputStats(gram=mx.array(x.T @ x), rows=512, group=group)
         mx.eval(st.gram)
         kept = {"1.0:4b_32g": None}
-        recs.append(measure_tensor("t", w, opts, st, "default", method="gptq", kept=kept, sample_rows=16,
-                                   energy=energy, consume_gram=consume and len(group) == 1))
+        how = HowToMeasure(sample_rows=16, energy=energy, consume_gram=consume and len(group) == 1)
+        recs.append(measure_tensor("t", w, opts, st, "default", spec=QuantizerSpec(method="gptq", clip=True),
+                                   kept=kept, how=how))
         kepts.append(kept["1.0:4b_32g"])
         stats.append(st)
     assert isinstance(stats[1].gram, FactoredGram) and isinstance(stats[0].gram, mx.array)
@@ -874,8 +876,9 @@ def test_consumed_gram_measures_the_same():
         assert {k: v for k, v in rec.extra.items() if k != "shares_input_with"} == recs[0].extra
         assert mx.array_equal(kept.dequantize(), kepts[0].dequantize()).item()
     st = InputStats(gram=mx.array(x.T @ x), rows=512, group=("t",))
-    measure_tensor("t", w, opts, st, "default", method="gptq", kept={"1.0:8b_32g": None}, sample_rows=16,
-                   energy=energy, consume_gram=True)  # the kept option is not measured: its caller needs the Gram
+    # the kept option is not measured: its caller needs the Gram
+    measure_tensor("t", w, opts, st, "default", spec=QuantizerSpec(method="gptq", clip=True),
+                   kept={"1.0:8b_32g": None}, how=HowToMeasure(sample_rows=16, energy=energy, consume_gram=True))
     assert isinstance(st.gram, mx.array)
 
 

@@ -117,8 +117,6 @@ def _shapes(source: Any) -> tuple[list[list[tuple[str, tuple[int, ...]]]], list[
                                   set[str]]:
     """Per decoder layer the (path, weight shape) of its quantizable tensors, the other ones, the hidden size and
     which of the other ones are lookup tables only (:func:`mlx_dq.model.runner.lookup_tables`)."""
-    import mlx.core as mx  # noqa: F401  (the skeleton's arrays stay unevaluated)
-
     from mlx_dq.model.capture import quantizable_modules
     from mlx_dq.model.runner import align_to_source, layer_prefix, lookup_tables
     from mlx_dq.model.sources import build_model

@@ -20,7 +20,7 @@ import contextlib
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from mlx_dq import __version__
 from mlx_dq.conversion import hub
 from mlx_dq.conversion.card import source_metadata, write_card
 from mlx_dq.conversion.resolve import (
+    InputChecks,
     available_hot_rows,
     model_shapes,
     plan_from_options,
@@ -43,6 +44,7 @@ from mlx_dq.conversion.writer import (
     DEFAULT_SHARD_BYTES,
     MODEL_FILE_TEXT,
     ShardWriter,
+    WrittenTensors,
     build_manifest,
     output_config,
     prepare_output,
@@ -131,7 +133,9 @@ def quantize_model(
 # --------------------------------------------------------------------------
 @dataclass
 class _Job:
-    """One conversion: its source, settings, output dtype, plan and the notes the input checks made."""
+    """One conversion: its source, settings, output dtype, plan, the notes the input checks made and how its
+    folder is written (``force``: replace an earlier output; ``shard_bytes``; ``command`` and ``card_ref`` for
+    the manifest and card; ``t_start``: when the conversion started, for the manifest's seconds)."""
 
     source: Any
     q: QuantizeSettings
@@ -139,10 +143,15 @@ class _Job:
     dtype: str
     out_dtype: Any
     out: Path
+    force: bool = False
     notes: list[str] = field(default_factory=list)
     plan: Plan | None = None
     measurement: Measurement | None = None
     distill: DistillSettings | None = None
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    command: str | None = None
+    card_ref: str | None = None
+    t_start: float = 0.0
 
 
 def convert(
@@ -181,7 +190,8 @@ def convert(
     calibration text and seed default to this conversion's). Returns the manifest.
     """
     t_start = time.perf_counter()
-    job = _prepare(model, out_dir, plan, measurement, force, options)
+    job = replace(_prepare(model, out_dir, plan, measurement, force, options), shard_bytes=shard_bytes,
+                  command=command, card_ref=card_ref, t_start=t_start)
     # a second run into the same output stops now, naming this one (rank 0 alone writes, so it alone locks)
     with output_lock(job.out) if dist.is_root() else contextlib.nullcontext():
         job.distill = distill_settings(distill, job.q)
@@ -192,11 +202,9 @@ def convert(
         text_ids = calib_mod.text_token_ids(job.source.tokenizer(), texts, tokens)
         if dist.is_root() or (plan is None and measurement is None):  # measuring takes every rank
             job.plan, job.measurement = resolve_plan(
-                job.source, bpw=job.p.bpw, plan=plan, measurement=measurement, measurement_path=meas_path,
-                mlx_lm_compatible=job.p.mlx_lm_compatible, head_option=job.p.head_option, keep=job.p.keep,
-                measure_kwargs=mkw, progress=progress, keep_outside_budget=job.p.keep_outside_budget,
-                allow_incomplete=allow_incomplete, allow_other_model=allow_other_model, notes=job.notes,
-                hot_rows=_hot_rows(job, text_ids),
+                job.source, job.p, plan=plan, measurement=measurement, measurement_path=meas_path,
+                measure_kwargs=mkw, progress=progress, checks=InputChecks(allow_incomplete, allow_other_model),
+                notes=job.notes, hot_rows=_hot_rows(job, text_ids),
             )
         job.plan = dist.broadcast(job.plan)  # rank 0's plan is the one every rank applies
         options_ = {e.key: QuantOption.parse(e.option) for e in job.plan.tensors}
@@ -212,8 +220,8 @@ def convert(
             for _ in stream:
                 pass
             return dist.broadcast(None)
-        manifest = _write_folder(job, stream, texts, shard_bytes, force, t_start, command, card_ref,
-                                 measurement if isinstance(measurement, (str, Path)) else None, out_dir, progress)
+        manifest = _write_folder(job, stream, texts, measurement if isinstance(measurement, (str, Path)) else None,
+                                 out_dir, progress)
         meas_path.unlink(missing_ok=True)
         Path(str(meas_path) + ".state.safetensors").unlink(missing_ok=True)
         return dist.broadcast(manifest)
@@ -289,17 +297,16 @@ def _prepare(model: str, out_dir: str | Path, plan: Any, measurement: Any, force
     for pat in p.keep:  # a keep pattern that matches nothing fails now, not after the measurement
         if not any(key_matches(k, [pat]) for k in model_shapes(source.config)):
             raise InputError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
-    return _Job(source, q, p, dtype, out_dtype, out)
+    return _Job(source, q, p, dtype, out_dtype, out, force)
 
 
-def _write_folder(job: _Job, stream: Any, texts: Any, shard_bytes: int, force: bool, t_start: float,
-                  command: str | None, card_ref: str | None, measurement_file: Any, out_dir: Any,
+def _write_folder(job: _Job, stream: Any, texts: Any, measurement_file: Any, out_dir: Any,
                   progress: bool = True) -> dict:
     """Write the quantized stream, config, plan, measurement, manifest and card into a partial folder; publish it."""
-    q, p, source, dtype = job.q, job.p, job.source, job.dtype
-    tmp = prepare_output(job.out, force)
+    q, p, source, dtype, command, card_ref = job.q, job.p, job.source, job.dtype, job.command, job.card_ref
+    tmp = prepare_output(job.out, job.force)
     try:
-        writer = ShardWriter(tmp, shard_bytes)
+        writer = ShardWriter(tmp, job.shard_bytes)
         records, mixed, qconf, other_bytes, splits = _write_tensors(writer, stream, job.out_dtype, dtype)
         files = writer.close()
         config = output_config(source.config, qconf, mixed, dtype, {k: r["numel"] for k, r in records.items()},
@@ -311,14 +318,15 @@ def _write_folder(job: _Job, stream: Any, texts: Any, shard_bytes: int, force: b
         if job.measurement is not None:
             save_measurement(job.measurement, tmp / "measurement.json")
         save_plan(job.plan, tmp / "plan.json")
+        written = WrittenTensors(records, mixed, files, other_bytes, writer.nbytes, splits)
         manifest = build_manifest(
-            source, job.plan, records, mixed, files, config, __version__, other_bytes, writer.nbytes,
+            source, job.plan, written, config, __version__,
             calib={"source": str(q.calib) if q.calib else "default", "rows": q.rows, "seq_len": q.seq_len,
                    "seed": q.seed, "text_digest": calib_mod.text_digest(texts)},
             settings={"method": q.method, "sequential": q.sequential, "clip": q.clip, "damp": q.damp,
                       "dtype": dtype, "promote_mixed": q.promote_mixed,
                       "mlx_lm_compatible": p.mlx_lm_compatible, "head_option": p.head_option},
-            seconds=time.perf_counter() - t_start, splits=splits,
+            seconds=time.perf_counter() - job.t_start,
         )
         add_facts(manifest, tmp, files, job.plan, measurement_file, job.measurement)
         manifest["provenance"]["command"] = command

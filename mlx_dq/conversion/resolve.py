@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from mlx_dq.errors import InputError
 from mlx_dq.formats import load_plan_any
@@ -33,35 +34,42 @@ from mlx_dq.quant.rowsplit import (
     rows_worth_it,
     stepped_up,
 )
+from mlx_dq.settings import PlanSettings
+
+
+@dataclass(frozen=True)
+class InputChecks:
+    """What the checks of a given measurement or plan let through: an unfinished measurement
+    (``allow_incomplete``), a measurement or plan made for another model of the same tensor names and shapes
+    (``allow_other_model``)."""
+
+    allow_incomplete: bool = False
+    allow_other_model: bool = False
 
 
 def resolve_plan(
     source: Any,
+    settings: PlanSettings,
     *,
-    bpw: float | None,
     plan: Plan | str | Path | dict | None,
     measurement: Measurement | str | Path | None,
     measurement_path: Path | None,
-    mlx_lm_compatible: bool,
-    head_option: str | None,
-    keep: Iterable[str],
     measure_kwargs: dict,
     progress: bool,
-    keep_outside_budget: bool = False,
-    allow_incomplete: bool = False,
-    allow_other_model: bool = False,
+    checks: InputChecks = InputChecks(),
     notes: list[str] | None = None,
     hot_rows: dict[str, HotRows] | None = None,
 ) -> tuple[Plan, Measurement | None]:
     """The plan to apply: given as is, or optimized from a given or freshly measured measurement.
 
+    ``settings`` give the bpw target, head option, kept tensors and stock-loadable options.
     A given measurement or plan must have been made for ``source`` (fingerprint
     and shapes; see :func:`check_belongs_to`) and a measurement
-    must be complete, unless the ``allow_*`` flags say otherwise; what the
+    must be complete, unless ``checks`` say otherwise; what the
     checks could not check goes into ``notes``. ``hot_rows`` (lookup table ->
     frequent-token rows available) plans those rows finer (:func:`with_row_splits`).
     """
-    notes = [] if notes is None else notes
+    notes, s = [] if notes is None else notes, settings
     if isinstance(plan, dict):
         return plan_from_options(plan, source), None
     if plan is not None:
@@ -69,25 +77,26 @@ def resolve_plan(
             p = load_plan_any(plan, source)
         else:
             p = plan
-        notes += check_plan_input(p, plan, source, allow_other_model)
+        notes += check_plan_input(p, plan, source, checks.allow_other_model)
         return p, None
-    if bpw is None:
+    if s.bpw is None:
         raise InputError("give a bits-per-weight target (bpw) or a plan")
     if measurement is None:
-        if not keep:  # a kept tensor counts 16 bits in the budget: then only the optimizer knows the range
-            check_target_in_grid(source, bpw, measure_kwargs.get("grid"), mlx_lm_compatible, head_option)
+        if not s.keep:  # a kept tensor counts 16 bits in the budget: then only the optimizer knows the range
+            check_target_in_grid(source, s.bpw, measure_kwargs.get("grid"), s.mlx_lm_compatible, s.head_option)
         m = measure_mod.measure(source, out_path=measurement_path, progress=progress, **measure_kwargs)
     else:
         m = load_measurement(measurement) if isinstance(measurement, (str, Path)) else measurement
-        notes += check_measurement_input(m, measurement, source, allow_incomplete, allow_other_model)
+        notes += check_measurement_input(m, measurement, source, checks.allow_incomplete, checks.allow_other_model)
+
     def plan_for(target: float) -> Plan:
-        got = optimize(m, target, head_option=head_option, keep=tuple(keep), mlx_lm_compatible=mlx_lm_compatible,
-                       keep_outside_budget=keep_outside_budget)
-        complete_head(got, model_modules(source), head_option)  # an EXL2 measurement has no embedding/head
+        got = optimize(m, target, head_option=s.head_option, keep=tuple(s.keep), mlx_lm_compatible=s.mlx_lm_compatible,
+                       keep_outside_budget=s.keep_outside_budget)
+        complete_head(got, model_modules(source), s.head_option)  # an EXL2 measurement has no embedding/head
         return got
 
-    p = plan_for(bpw)
-    if hot_rows and not mlx_lm_compatible:
+    p = plan_for(s.bpw)
+    if hot_rows and not s.mlx_lm_compatible:
         p = with_row_splits(p, hot_rows, plan_for, notes, m)
     return p, m
 

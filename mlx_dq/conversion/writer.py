@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -242,19 +243,34 @@ def output_config(src: dict, qconf: dict[str, dict], mixed: dict[str, dict], dty
     return config
 
 
-def build_manifest(
-    source: Any, plan: Plan, records: dict, mixed: dict, files: list[Path], config: dict, version: str,
-    other_bytes: int, array_bytes: int, calib: dict, settings: dict, seconds: float,
-    splits: dict[str, dict] | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class WrittenTensors:
+    """What a folder's shards hold, as its manifest accounts for it.
+
+    ``records``: path -> the tensor's record (:func:`tensor_record`); ``mixed``: the mixed-proportion modules;
+    ``files``: the shard files; ``other_bytes``: the arrays that are no quantized tensor (norms, biases, hot ids);
+    ``array_bytes``: every array written; ``splits``: the tables with frequent-token rows (path -> {"rows": n}).
+    """
+
+    records: dict
+    mixed: dict
+    files: list[Path]
+    other_bytes: int
+    array_bytes: int
+    splits: dict[str, dict] | None = None
+
+
+def build_manifest(source: Any, plan: Plan, written: WrittenTensors, config: dict, version: str, calib: dict,
+                   settings: dict, seconds: float) -> dict:
     """The accounting and provenance record written as ``mlx_dq.json``.
 
-    A table with frequent-token rows (``splits``) has one record per part (``<path>.hot``,
+    A table with frequent-token rows (``written.splits``) has one record per part (``<path>.hot``,
     ``<path>.cold``); its hot ids are counted in ``other_bytes`` and in the average bits.
     """
     import mlx_lm
 
-    splits = splits or {}
+    records, mixed, files = written.records, written.mixed, written.files
+    other_bytes, array_bytes, splits = written.other_bytes, written.array_bytes, written.splits or {}
     id_bits = {p: ID_BITS * int(v["rows"]) for p, v in splits.items()}
     quant = {k: r for k, r in records.items() if r["option"] != "16bit"}
     q_bits = sum(r["storage_bits"] for r in records.values())  # the ids are in other_bytes

@@ -24,7 +24,12 @@ from mlx_dq.measure.run import (
     sample_owner,
     share_options,
 )
-from mlx_dq.measure.tensor import fitting_options, measure_tensor, reference_option
+from mlx_dq.measure.tensor import (
+    HowToMeasure,
+    fitting_options,
+    measure_tensor,
+    reference_option,
+)
 from mlx_dq.model.capture import GramCollector, InputStats
 from mlx_dq.model.runner import free_table, record_head_inputs
 from mlx_dq.names import layer_index, role_of
@@ -120,9 +125,9 @@ def _measure_head_tensor(run: MeasureRun, path: str, mod: nn.Module, head_col: G
     if fn is not None and not owner and s.sample_rows > 0:  # one rank: anchors end to end, the rest predicted
         rec = _head_by_anchors(run, path, mod.weight, opts, stats, fn, _lookup_weight(run, path, scale))
     if rec is None:
-        rec = measure_tensor(path, mod.weight, opts, stats, role, lookup=lookup, spec=s.quantizer(),
-                             damage_fn=fn, progress=run.progress, sample_rows=s.sample_rows,
-                             only=owned_options(owner, path))
+        rec = measure_tensor(path, mod.weight, opts, stats, role, spec=s.quantizer(), lookup=lookup, damage_fn=fn,
+                             how=HowToMeasure(progress=run.progress, only=owned_options(owner, path),
+                                              sample_rows=s.sample_rows))
         if fn is not None and path in embed_lookup:
             rec.extra["lookup_damage"] = [round(x, 6) for x in fn.lookup_damage]
     if stats is not None and path in embed_lookup:
@@ -172,7 +177,7 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
     if sample is None or len(fitting) <= len(anchors):
         return None
     rec = measure_tensor(path, w, anchors, stats, role, spec=run.s.quantizer(), damage_fn=fn,
-                         progress=run.progress, energy=energy)
+                         how=HowToMeasure(progress=run.progress, energy=energy))
     parts = list(getattr(fn, "lookup_damage", [0.0] * len(rec.options)))
     ratio = {r.option.is_mixed: max(r.damage - lp, 0.0) / r.err ** 2 if r.err else 0.0
              for r, lp in zip(rec.options, parts)}  # head KL per squared output error, whole and mixed options
@@ -191,8 +196,8 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
             parts.append(lk)
             return k * meter(wq)[0] ** 2 + lk
 
-        part = measure_tensor(path, w, group, stats, role, spec=run.s.quantizer(),
-                              damage_fn=predicted, progress=run.progress, sample=sample, energy=energy)
+        part = measure_tensor(path, w, group, stats, role, spec=run.s.quantizer(), damage_fn=predicted,
+                              how=HowToMeasure(progress=run.progress, sample=sample, energy=energy))
         rec.options += part.options
     order = {o.desc: i for i, o in enumerate(fitting)}
     by_option = sorted(zip(rec.options, parts), key=lambda rp: order[rp[0].desc])

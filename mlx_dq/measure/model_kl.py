@@ -31,6 +31,7 @@ from mlx_dq.model.runner import (
 from mlx_dq.names import role_of
 from mlx_dq.quant.affine import output_error, quantize_weight
 from mlx_dq.quant.options import QuantOption
+from mlx_dq.quant.spec import QuantizerSpec
 
 
 def kl_importance(source: Any, m: Measurement, tokens: mx.array, grid_map: dict, clip: bool = True,
@@ -147,7 +148,7 @@ def measure_module(
         opts = grid_options(grid_map, r, path) if r is not None else None
         if opts is None:
             continue
-        rec = measure_tensor(path, mod.weight, opts, col.stats[path], r, clip=clip)
+        rec = measure_tensor(path, mod.weight, opts, col.stats[path], r, spec=QuantizerSpec(method="rtn", clip=clip))
         if importance:
             ref = reference_option(opts, int(mod.weight.shape[-1]))
             wq = quantize_weight(mod.weight, ref, gram=col.stats[path].gram, clip=clip).dequantize(mx.float32)

@@ -38,6 +38,7 @@ from mlx_dq.measure.exl2 import (
 )
 from mlx_dq.names import layer_index, role_of
 from mlx_dq.quant.options import QuantOption
+from mlx_dq.safety import write_json_atomic
 
 FORMAT_NAME = "mlx_dq.measurement"
 FORMAT_VERSION = 1
@@ -173,13 +174,9 @@ class Measurement:
 
 
 # --------------------------------------------------------------------------- readers
-def _fail(path: str, what: str) -> InputError:
-    return InputError(f"{path}: {what}")
-
-
 def _need(obj: Mapping, name: str, where: str, path: str) -> Any:
     if not isinstance(obj, Mapping) or name not in obj:
-        raise _fail(path, f"{where} lacks the field {name!r}")
+        raise InputError.at(path, f"{where} lacks the field {name!r}")
     return obj[name]
 
 
@@ -238,9 +235,9 @@ def load_measurement(
         except ValueError as e:
             if str(e).startswith(path):
                 raise
-            raise _fail(path, f"malformed measurement: {e}") from None
+            raise InputError.at(path, f"malformed measurement: {e}") from None
         except (TypeError, KeyError, AttributeError, IndexError, OverflowError, ZeroDivisionError) as e:
-            raise _fail(path, f"malformed measurement: {type(e).__name__}: {e}") from None
+            raise InputError.at(path, f"malformed measurement: {type(e).__name__}: {e}") from None
     keys = sorted(data)[:8] if isinstance(data, dict) else type(data).__name__
     raise InputError(
         f"{path}: not a measurement file (expected our 'mlx_dq.measurement' JSON or an ExLlamaV2 "
@@ -258,7 +255,7 @@ def _from_exl2_v1(data: dict, path: str, shapes: Mapping, mode: str) -> Measurem
         numel = int(_need(r, "numel", where, path))
         opts = _need(r, "options", where, path)
         if not isinstance(opts, list) or not opts:
-            raise _fail(path, f"{where} has no options")
+            raise InputError.at(path, f"{where} has no options")
         for j, o in enumerate(opts):
             for f in ("desc", "total_bits", "err", "qparams"):
                 _need(o, f, f"{where} option {j}", path)
@@ -296,13 +293,13 @@ def _from_exl2_v2(data: dict, path: str, shapes: Mapping, mode: str) -> Measurem
             m.extra.setdefault("exl2_unmeasured", []).append(mod)
             continue
         if not isinstance(opts, list) or not opts:
-            raise _fail(path, f"module {mod!r} has no options")
+            raise InputError.at(path, f"module {mod!r} has no options")
         for j, o in enumerate(opts):
             _need(o, "accuracy", f"module {mod!r} option {j}", path)
             _need(o, "total_bits", f"module {mod!r} option {j}", path)
         members = [k for k, v in opts[0].items() if isinstance(v, dict)]
         if not members:
-            raise _fail(path, f"module {mod!r} option 0 names no member linears")
+            raise InputError.at(path, f"module {mod!r} option 0 names no member linears")
         full = {k: f"{mod}.{k}" for k in members}
         if all(full[k] in shapes for k in members):
             sh = {k: tuple(shapes[full[k]]) for k in members}
@@ -371,17 +368,17 @@ def _check_types(d: Mapping, where: str, path: str, ints: Iterable[str] = (), nu
     for f in ints:
         v = d.get(f)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise _fail(path, f"{where}: {f} must be an integer, got {v!r}")
+            raise InputError.at(path, f"{where}: {f} must be an integer, got {v!r}")
     for f in numbers:
         if d.get(f) is not None:
             try:
                 finite_number(d[f], f)
             except ValueError as e:
-                raise _fail(path, f"{where}: {e}") from None
+                raise InputError.at(path, f"{where}: {e}") from None
     for f in strings:
         v = d.get(f)
         if v is not None and not isinstance(v, str):
-            raise _fail(path, f"{where}: {f} must be a string, got {v!r}")
+            raise InputError.at(path, f"{where}: {f} must be a string, got {v!r}")
 
 
 def _opt_from_json(d: Mapping, where: str, path: str) -> OptionRecord:
@@ -392,7 +389,7 @@ def _opt_from_json(d: Mapping, where: str, path: str) -> OptionRecord:
     try:
         opt = QuantOption.parse(d["mlx"])
     except ValueError as e:
-        raise _fail(path, f"{where}: {e}") from None
+        raise InputError.at(path, f"{where}: {e}") from None
     return OptionRecord(
         opt, float(d["bpw"]), int(d["total_bits"]), None if d["err"] is None else float(d["err"]),
         weight_err=d.get("weight_err"), clip=d.get("clip"), exl2_desc=d.get("exl2_desc"),
@@ -444,33 +441,34 @@ def _tensor_from_json(r: Mapping, where: str, path: str) -> TensorRecord:
     _check_keys(r, _TENSOR_KEYS, where, path)
     key = _need(r, "key", where, path)
     if not isinstance(key, str) or not key:
-        raise _fail(path, f"{where}: key must be a non-empty string, got {key!r}")
+        raise InputError.at(path, f"{where}: key must be a non-empty string, got {key!r}")
     if not isinstance(r.get("role", ""), str) or not isinstance(r.get("group", ""), (str, type(None))):
-        raise _fail(path, f"{where} ({key!r}): role and group must be strings")
+        raise InputError.at(path, f"{where} ({key!r}): role and group must be strings")
     _check_types(r, f"{where} ({key!r})", path, ints=("numel",), numbers=("importance",))
     shape = _need(r, "shape", f"{where} ({key!r})", path)
     if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape):
-        raise _fail(path, f"{where} ({key!r}): shape must be a list of integers, got {shape!r}")
+        raise InputError.at(path, f"{where} ({key!r}): shape must be a list of integers, got {shape!r}")
     try:
         return TensorRecord(key, tuple(shape), int(r.get("numel", 0)), r.get("role", role_of(key)),
                             float(r.get("importance", 1.0)), group=r.get("group"), extra=r.get("extra", {}))
     except (TypeError, ValueError) as e:
-        raise _fail(path, f"{where} ({key!r}): {e}") from None
+        raise InputError.at(path, f"{where} ({key!r}): {e}") from None
 
 
 def _from_ours(data: dict, path: str) -> Measurement:
     if data.get("version") != FORMAT_VERSION:
-        raise _fail(path, f"unsupported {FORMAT_NAME} version {data.get('version')!r} (expected {FORMAT_VERSION})")
+        raise InputError.at(path, f"unsupported {FORMAT_NAME} version {data.get('version')!r} "
+                                  f"(expected {FORMAT_VERSION})")
     _check_keys(data, _TOP_KEYS, "the document", path)
     for name in ("model", "calibration", "versions", "tied", "extra"):
         if data.get(name) is not None and not isinstance(data[name], dict):
-            raise _fail(path, f"{name!r} must be an object, got {type(data[name]).__name__}")
+            raise InputError.at(path, f"{name!r} must be an object, got {type(data[name]).__name__}")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in (data.get("tied") or {}).items()):
-        raise _fail(path, "'tied' must map tensor names to tensor names")
+        raise InputError.at(path, "'tied' must map tensor names to tensor names")
     for name in ("last_module_idx", "base_perplexity"):
         v = data.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            raise _fail(path, f"{name!r} must be a finite number or null, got {v!r}")
+            raise InputError.at(path, f"{name!r} must be a finite number or null, got {v!r}")
     m = Measurement(
         base_perplexity=data.get("base_perplexity"), model=data.get("model") or {},
         calibration=data.get("calibration") or {}, grid=data.get("grid"), versions=data.get("versions") or {},
@@ -479,7 +477,7 @@ def _from_ours(data: dict, path: str) -> Measurement:
     )
     entries = _need(data, "measurement", "the document", path)
     if not isinstance(entries, list):
-        raise _fail(path, "'measurement' must be a list of tensor records")
+        raise InputError.at(path, "'measurement' must be a list of tensor records")
     for i, r in enumerate(entries):
         t = _tensor_from_json(r, f"measurement[{i}]", path)
         opts = _need(r, "options", f"measurement[{i}] ({t.key!r})", path)
@@ -511,13 +509,6 @@ def save_measurement(m: Measurement, path: str | os.PathLike) -> None:
     write_json_atomic(measurement_to_json(m), path)
 
 
-def write_json_atomic(doc: Any, path: str | os.PathLike) -> None:
-    """Write JSON so a reader never sees a half-written file, even if the writer is killed (see :mod:`mlx_dq.safety`)."""
-    from mlx_dq.safety import write_json_atomic as _write
-
-    _write(doc, path)
-
-
 # --------------------------------------------------------------------------- validation
 _TOP_KEYS = {"format", "version", "measurement", "groups", "last_module_idx", "base_perplexity", "model",
              "calibration", "grid", "versions", "tied", "source_format", "extra"}
@@ -528,10 +519,10 @@ _OPTION_KEYS = {"desc", "bpw", "total_bits", "err", "qparams", "mlx", "weight_er
 
 def _check_keys(obj: Any, allowed: set, where: str, path: str) -> None:
     if not isinstance(obj, Mapping):
-        raise _fail(path, f"{where} must be an object, got {type(obj).__name__}")
+        raise InputError.at(path, f"{where} must be an object, got {type(obj).__name__}")
     extra = sorted(str(k) for k in obj if k not in allowed)
     if extra:
-        raise _fail(path, f"{where} has unknown field(s) {extra[:3]} (a file of another tool or version?)")
+        raise InputError.at(path, f"{where} has unknown field(s) {extra[:3]} (a file of another tool or version?)")
 
 
 def _check_option(r: OptionRecord, where: str, path: str) -> None:
@@ -546,16 +537,17 @@ def _check_option(r: OptionRecord, where: str, path: str) -> None:
         if r.total_bits < 0:
             raise InputError(f"total_bits must be >= 0, got {r.total_bits}")
     except ValueError as e:
-        raise _fail(path, f"{where} ({r.desc}): {e}") from None
+        raise InputError.at(path, f"{where} ({r.desc}): {e}") from None
 
 
 def _check_bits(r: OptionRecord, shape: tuple[int, ...], where: str, path: str) -> None:
     if not r.option.fits(shape[-1]):
-        raise _fail(path, f"{where}: option {r.desc} does not fit {shape[-1]} inputs")
+        raise InputError.at(path, f"{where}: option {r.desc} does not fit {shape[-1]} inputs")
     if r.total_bits != r.option.storage_bits(shape):
-        raise _fail(path, f"{where}: total_bits {r.total_bits} are not the storage of {r.desc} at shape {list(shape)}")
+        raise InputError.at(path, f"{where}: total_bits {r.total_bits} are not the storage of {r.desc} "
+                                  f"at shape {list(shape)}")
     if abs(r.bpw - r.total_bits / math.prod(shape)) > 1e-6 * max(r.bpw, 1.0):
-        raise _fail(path, f"{where}: bpw {r.bpw} does not match total_bits / weights")
+        raise InputError.at(path, f"{where}: bpw {r.bpw} does not match total_bits / weights")
 
 
 def validate_measurement(m: Measurement, path: str) -> Measurement:
@@ -565,13 +557,13 @@ def validate_measurement(m: Measurement, path: str) -> Measurement:
     for t in m.tensors.values():
         where = f"tensor {t.key!r}"
         if any(d <= 0 for d in t.shape):
-            raise _fail(path, f"{where}: shape {list(t.shape)} has a non-positive dimension")
+            raise InputError.at(path, f"{where}: shape {list(t.shape)} has a non-positive dimension")
         try:
             finite_number(t.importance, "importance", minimum=0.0)
         except ValueError as e:
-            raise _fail(path, f"{where}: {e}") from None
+            raise InputError.at(path, f"{where}: {e}") from None
         if t.group is None and not t.options:
-            raise _fail(path, f"{where} has no options")
+            raise InputError.at(path, f"{where} has no options")
         for r in t.options:
             _check_option(r, where, path)
             _check_bits(r, t.shape, where, path)
@@ -580,19 +572,19 @@ def validate_measurement(m: Measurement, path: str) -> Measurement:
         try:
             finite_number(g.importance, "importance", minimum=0.0)
         except ValueError as e:
-            raise _fail(path, f"{where}: {e}") from None
+            raise InputError.at(path, f"{where}: {e}") from None
         for k in g.members:
             if k not in m.tensors:
-                raise _fail(path, f"{where} names a member {k!r} that has no tensor record")
+                raise InputError.at(path, f"{where} names a member {k!r} that has no tensor record")
         if not g.options:
-            raise _fail(path, f"{where} has no options")
+            raise InputError.at(path, f"{where} has no options")
         for j, o in enumerate(g.options):
             try:
                 finite_number(o.err, "err", minimum=0.0)
             except ValueError as e:
-                raise _fail(path, f"{where} option {j}: {e}") from None
+                raise InputError.at(path, f"{where} option {j}: {e}") from None
             if set(o.members) != set(g.members):
-                raise _fail(path, f"{where} option {j} does not set exactly the module's members")
+                raise InputError.at(path, f"{where} option {j} does not set exactly the module's members")
             for k, r in o.members.items():
                 _check_option(r, f"{where} option {j}", path)
                 _check_bits(r, m.tensors[k].shape, f"{where} option {j} member {k!r}", path)

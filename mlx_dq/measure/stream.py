@@ -50,6 +50,7 @@ from mlx_dq.measure.run import (
 from mlx_dq.measure.swap import rows_swapped
 from mlx_dq.measure.tensor import (
     REFERENCE_OPTION,
+    HowToMeasure,
     fitting_options,
     measure_tensor,
     reference_option,
@@ -66,10 +67,6 @@ from mlx_dq.runtime.threads import thread_map
 from mlx_dq.safety import flag
 from mlx_dq.settings import MeasureSettings
 
-DEFAULT_ROWS = MeasureSettings.rows  # the defaults live in mlx_dq.settings; these names stay for scripts
-DEFAULT_SEQ_LEN = MeasureSettings.seq_len
-DEFAULT_BATCH = MeasureSettings.batch_size
-DEFAULT_IMPORTANCE_ROWS = MeasureSettings.importance_rows
 KL_SAMPLE_LAYERS = 8  # decoder layers whose joint perturbation is carried to the logits to scale importance to KL
 TIMING_KEYS = ("timing",)  # fields that differ between otherwise identical runs
 
@@ -298,9 +295,9 @@ def _measure_options(run: MeasureRun, mods: dict[str, nn.Module], col: GramColle
 
     def one(path: str, w: mx.array, stats: InputStats | None) -> tuple[TensorRecord, dict]:
         kept = {refs_opt[path].desc: None}
-        rec = measure_tensor(path, w, grid[path], stats, role_of(path), kept=kept, spec=s.quantizer(),
-                             only=owned_options(owner, path), sample_rows=s.sample_rows, timings=timings[path],
-                             energy=col.energies.get(path), consume_gram=stats is not None and len(stats.group) <= 1)
+        how = HowToMeasure(only=owned_options(owner, path), sample_rows=s.sample_rows, timings=timings[path],
+                           energy=col.energies.get(path), consume_gram=stats is not None and len(stats.group) <= 1)
+        rec = measure_tensor(path, w, grid[path], stats, role_of(path), spec=s.quantizer(), kept=kept, how=how)
         return rec, kept
 
     for path in mods:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
@@ -48,46 +49,57 @@ def reference_option(options: Sequence[QuantOption], in_features: int, ref: str 
     return min(fitting, key=lambda o: (abs(o.nominal_bpw() - want.nominal_bpw()), o.desc))
 
 
+@dataclass(frozen=True)
+class HowToMeasure:
+    """How :func:`measure_tensor` measures a tensor beyond its quantizer: which options, which rows, what it reports.
+
+    ``progress``: a bar over the options. ``only`` (option descriptions) measures just those (one rank's share).
+    ``sample_rows > 0`` measures a linear layer's options on a seeded random subset of that many output rows (see
+    :func:`output_row_sample`); options in ``kept`` are still quantized on every row. ``timings`` (a dict) receives
+    each measured option's wall seconds, which balance the work of later layers over ranks. ``sample`` (row indices,
+    row weights) gives the rows instead (``damage_fn`` then gets those rows' dequantized weights). ``energy``: every
+    output row's ``w_i G w_i^T`` when known (the sample and the meter use it). ``consume_gram``: ``stats.gram`` is
+    this tensor's alone, read by nothing else afterwards (see :func:`_consumed`). Why one value: each caller sets
+    a few of these, and the call stays short.
+    """
+
+    progress: bool = False
+    only: set[str] | None = None
+    sample_rows: int = 0
+    timings: dict[str, float] | None = None
+    sample: tuple[mx.array, mx.array] | None = None
+    energy: mx.array | np.ndarray | None = None
+    consume_gram: bool = False
+
+
 def measure_tensor(
     key: str,
     w: mx.array,
     options: Sequence[QuantOption],
     stats: InputStats | None,
     role: str,
+    *,
+    spec: QuantizerSpec,
     lookup: InputStats | None = None,
-    clip: bool = True,
     kept: dict[str, mx.array] | None = None,
-    method: str = "rtn",
     damage_fn: Callable[[mx.array], float] | None = None,
-    progress: bool = False,
-    only: set[str] | None = None,
-    sample_rows: int = 0,
-    timings: dict[str, float] | None = None,
-    sample: tuple[mx.array, mx.array] | None = None,
-    energy: mx.array | np.ndarray | None = None,
-    consume_gram: bool = False, spec: QuantizerSpec | None = None,
+    how: HowToMeasure = HowToMeasure(),
 ) -> TensorRecord:
     """Record every fitting option's output error, weight error, bits and clip stats for one tensor.
 
     ``stats`` holds the Gram matrix of the tensor's inputs (a linear layer or tied head); ``lookup`` the token
-    counts of an embedding used as a lookup table. ``spec`` is the converter's quantizer (without it ``method`` and
-    ``clip``; "gptq": error compensation against the Gram matrix, so the errors are the ones conversion produces;
-    "rtn": rounding, plus the clip search when ``clip``). When ``kept`` is a dict whose keys name options, their quantized tensors are
-    stored in it (:meth:`~mlx_dq.quant.affine.QuantizedTensor.stored`); ``damage_fn(wq)`` when given measures each
-    option's end-to-end damage. ``progress``: a bar over the options. ``only`` (option descriptions) measures
-    just those (one rank's share). ``sample_rows > 0`` measures a linear layer's options on a seeded random
-    subset of that many output rows (see :func:`output_row_sample`); options in ``kept`` are still quantized on every row. ``timings`` (a dict)
-    receives each measured option's wall seconds, which balance the work of later layers over ranks.
-    ``sample`` (row indices, row weights) gives the rows instead (``damage_fn`` then gets those rows' dequantized
-    weights). ``energy``: every output row's ``w_i G w_i^T`` when known (the sample and the meter use it).
-    ``consume_gram``: ``stats.gram`` is this tensor's alone, read by nothing else afterwards (see :func:`_consumed`)."""
-    spec = QuantizerSpec(method=method, clip=clip) if spec is None else spec
+    counts of an embedding used as a lookup table. ``spec`` is the converter's quantizer ("gptq": error
+    compensation against the Gram matrix, so the errors are the ones conversion produces; "rtn": rounding, plus
+    the clip search when ``spec.clip``). When ``kept`` is a dict whose keys name options, their quantized tensors
+    are stored in it (:meth:`~mlx_dq.quant.affine.QuantizedTensor.stored`); ``damage_fn(wq)`` when given measures
+    each option's end-to-end damage. ``how``: the rows, options and reports (:class:`HowToMeasure`)."""
+    sample, energy, timings = how.sample, how.energy, how.timings
     check_finite_weight(key, w)
     shape = tuple(int(d) for d in w.shape)
     gram = stats.gram if stats is not None else None
     counts = lookup.token_counts if lookup is not None and gram is None else None
     if sample is None and damage_fn is None:
-        sample = output_row_sample(key, w, gram, sample_rows, energy=energy) if gram is not None else \
+        sample = output_row_sample(key, w, gram, how.sample_rows, energy=energy) if gram is not None else \
             looked_up_rows(counts) if counts is not None and not kept else None
     rows_idx, row_weights = sample if sample is not None else (None, None)
     w_full, w = w, w if rows_idx is None else w[rows_idx]
@@ -95,13 +107,13 @@ def measure_tensor(
     meter = ErrorMeter(w, gram, counts, row_weights, None if energy is None else
                        np.asarray(energy, dtype=np.float64)[slice(None) if rows_idx is None else np.asarray(rows_idx)])
     rec = TensorRecord(key, shape, role=role)
-    fitting = [o for o in fitting_options(options, shape[-1]) if only is None or o.desc in only]
+    fitting = [o for o in fitting_options(options, shape[-1]) if how.only is None or o.desc in how.only]
     factors: dict = {}
     in_kept = [o for o in fitting if kept is not None and o.desc in kept]
-    gram = _consumed(stats, meter, fitting, kept, factors, spec, energy) if consume_gram else gram
+    gram = _consumed(stats, meter, fitting, kept, factors, spec, energy) if how.consume_gram else gram
     quantized = option_quantizer(w, [o for o in fitting if o not in in_kept], gram, spec,
                                  factor_cache=factors)  # the converter's quantizer, options batched
-    for opt in tqdm(fitting, desc=key, unit="option", disable=not progress, leave=False):
+    for opt in tqdm(fitting, desc=key, unit="option", disable=not how.progress, leave=False):
         t_opt = time.perf_counter()
         damage = None
         if meter.blocks is not None:  # a large tensor: quantized, metered and its damage taken block by block

@@ -503,6 +503,18 @@ def make_plan(p: Problem, m: Measurement, choice: list[int], bound: float | None
     )
 
 
+@dataclass(frozen=True)
+class SolverEffort:
+    """How hard :func:`optimize` searches, apart from what it plans for.
+
+    ``exchange_rounds`` caps the exchange passes after the greedy fill-in; when the exact Pareto dynamic
+    program stays under ``exact_states`` states it replaces the heuristic (gap 0; 0 turns it off).
+    """
+
+    exchange_rounds: int = 500
+    exact_states: int = 2000
+
+
 def optimize(
     measurement: Measurement,
     target_bpw: float,
@@ -514,8 +526,7 @@ def optimize(
     mlx_lm_compatible: bool = False,
     err_power: float = 2.0,
     keep_outside_budget: bool = False,
-    exchange_rounds: int = 500,
-    exact_states: int = 2000,
+    effort: SolverEffort = SolverEffort(),
 ) -> Plan:
     """Plan one option per tensor: least predicted damage with stored bits <= target_bpw x weights.
 
@@ -524,9 +535,8 @@ def optimize(
     the N most sensitive tensors of each part (an int for every part, or part -> N,
     parts given by ``parts`` as part -> patterns or by :func:`mlx_dq.plan.keeprules.default_part`);
     ``mlx_lm_compatible`` allows whole-tensor options only; ``keep_outside_budget`` leaves kept
-    tensors out of the bpw budget (they still count in ``total_bpw``). When the exact Pareto
-    dynamic program stays under ``exact_states`` states it replaces the heuristic
-    (gap 0).
+    tensors out of the bpw budget (they still count in ``total_bpw``). ``effort``: the
+    exchange rounds and the exact dynamic program's size (:class:`SolverEffort`).
     """
     t0 = time.perf_counter()
     p = _build(measurement, target_bpw, head_option, keep, keep_most_sensitive, parts, mlx_lm_compatible, err_power,
@@ -537,9 +547,9 @@ def optimize(
     used = sum(int(it.bits[idx[j]]) for it, idx, j in zip(p.items, pruned, pos))
     used = _fill_in(p, pruned, pos, used)
     scale = max(bound, 1e-300)
-    used = _exchange(p, pruned, pos, used, 1e-12 * scale, exchange_rounds)
+    used = _exchange(p, pruned, pos, used, 1e-12 * scale, effort.exchange_rounds)
     method = "lagrangian+exchange"
-    exact = _pareto_dp(p, pruned, exact_states) if exact_states > 0 else None
+    exact = _pareto_dp(p, pruned, effort.exact_states) if effort.exact_states > 0 else None
     if exact is not None:
         pos, bound = exact[0], exact[1]
         method = "exact-pareto-dp"
