@@ -303,7 +303,7 @@ def test_metal_branch_dispatch_and_segment_matmuls_on_cpu(monkeypatch):
         calls.append(x.size // x.shape[-1])
         return kernels.segmented_quantized_matmul(x, perm, parts, bits, group_sizes)
 
-    monkeypatch.setattr(kernels, "metal_active", lambda: True)
+    monkeypatch.setattr(kernels, "backend", lambda: "metal")
     monkeypatch.setattr(kernels, "fused_mixed_matmul", fake_fused)
     mixed = _quantized((40, 256), "0.25:6b_32g/0.5:4b_64g/0.25:2b_32g", seed=41)
     layer = MixedLinear.from_quantized(mixed)
@@ -345,3 +345,149 @@ def test_empty_mixed_layer_loads_saved_weights(kind, tmp_path):
     assert mx.array_equal(empty.dequantize(), layer.dequantize()).item()
     with pytest.raises(ValueError, match="Conv1d"):
         empty_mixed_layer(nn.Conv1d(4, 4, 1), desc)
+
+
+# ----------------------------------------------------------------------------- backends and the CPU cache
+
+
+@pytest.fixture
+def cache_off(monkeypatch):
+    """The CPU float32 cache off through the environment, as a user turns it off."""
+    monkeypatch.setenv(kernels.CPU_CACHE_ENV, "0")
+    kernels.set_cpu_cache(None)
+    assert not kernels.cpu_cache_enabled()
+    yield
+
+
+@pytest.mark.parametrize("block_rows", [None, 8])
+def test_cpu_cache_off_matches_numpy_and_keeps_no_float_copy(cache_off, monkeypatch, block_rows):
+    """Cache off: decode (quantized matmuls) and prefill (dequantized blocks, one or many) equal numpy, in x's
+    dtype, and no float32 weight is left on the layer; a cache built before it was turned off is dropped."""
+    if block_rows:
+        monkeypatch.setattr(kernels, "CPU_CHUNK_BYTES", 4 * 256 * block_rows)  # 72 rows: 9 blocks
+    qt = _quantized((72, 256), "0.25:6b_32g/0.5:4b_64g/0.25:2b_32g", seed=61)
+    layer = MixedLinear.from_quantized(qt, bias=mx.arange(72) / 72.0)
+    w64 = _np_weight(qt)
+    for shape in [(1, 256), (3, 256), (2, 5, 256), (40, 256)]:
+        x = mx.random.normal(shape, key=mx.random.key(shape[0]))
+        assert _rel(layer(x), np.array(x, dtype=np.float64) @ w64.T + np.arange(72) / 72.0) < 1e-5
+        assert layer._cache.weight is None
+    xb = mx.random.normal((12, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    assert MixedLinear.from_quantized(qt)(xb).dtype == mx.bfloat16  # (a float32 bias would promote)
+    kernels.set_cpu_cache(True)
+    mx.eval(layer(x))
+    assert layer._cache.weight is not None
+    kernels.set_cpu_cache(False)
+    try:
+        mx.eval(layer(x))
+        assert layer._cache.weight is None
+    finally:
+        kernels.set_cpu_cache(None)
+
+
+def test_cpu_cache_off_embedding_head_and_banks(cache_off):
+    """Cache off: lookups, the tied head and expert banks equal numpy without building a cache."""
+    qt = _quantized((100, 128), "0.25:5b_32g/0.75:3b_64g", seed=62)
+    emb = MixedEmbedding.from_quantized(qt)
+    w64 = _np_weight(qt)
+    for rows in (1, 20):
+        x = mx.random.normal((rows, 128), key=mx.random.key(rows))
+        assert _rel(emb.as_linear(x), np.array(x, dtype=np.float64) @ w64.T) < 1e-5
+    ids = mx.array([[0, 7, 99]])
+    np.testing.assert_allclose(np.array(emb(ids)), w64[np.array(ids)], rtol=1e-6, atol=1e-7)
+    bank_qt = _quantized((3, 40, 128), "0.5:5b_32g/0.5:3b_32g", seed=63)
+    bank = MixedSwitchLinear.from_quantized(bank_qt)
+    x = mx.random.normal((4, 1, 1, 128), key=mx.random.key(64))
+    idx = mx.array([[0, 2], [1, 1], [2, 0], [0, 0]])
+    want = np.einsum("bk,bjok->bjo", np.array(x[:, 0, 0], dtype=np.float64), _np_weight(bank_qt)[np.array(idx)])
+    assert _rel(bank(x, idx)[:, :, 0], want) < 1e-5
+    assert emb._cache.weight is None and bank._cache.weight is None
+
+
+def test_cpu_cache_off_peak_memory_stays_below_the_float_weight(monkeypatch):
+    """MLX's peak over a 64-row forward of a 2048 x 2048 mixed layer: cache on adds at least the 16 MiB float32
+    weight, cache off less than a quarter of it (the blocks are dequantized one after another)."""
+    monkeypatch.setattr(kernels, "CPU_CHUNK_BYTES", 256 << 10)
+    layer = MixedLinear.from_quantized(quantize_weight(mx.random.normal((2048, 2048), key=mx.random.key(65)) * 0.02,
+                                                       QuantOption.parse("0.5:4b_64g/0.5:3b_64g"), clip=False))
+    x = mx.random.normal((64, 2048), key=mx.random.key(66))
+    mx.eval(layer.parameters(), x)
+    fp32 = 2048 * 2048 * 4
+    peaks = {}
+    for cache in (False, True):
+        kernels.set_cpu_cache(cache)
+        try:
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            mx.eval(layer(x))
+            peaks[cache] = mx.get_peak_memory() - base
+        finally:
+            kernels.set_cpu_cache(None)
+    assert peaks[True] >= fp32
+    assert peaks[False] < fp32 / 4, peaks
+
+
+def test_gpu_backends_use_segment_matmuls_and_no_cache(monkeypatch):
+    """A non-Metal GPU (MLX's CUDA build) runs per-segment quantized matmuls for every row count, never the
+    float32 cache nor the Metal kernel; Metal keeps the fused decode kernel (run here on MLX's CPU ops)."""
+    fused = []
+    monkeypatch.setattr(kernels, "backend", lambda: "gpu")
+    monkeypatch.setattr(kernels, "fused_mixed_matmul", lambda *a, **k: fused.append(1))
+    qt = _quantized((40, 256), "0.25:6b_32g/0.75:4b_64g", seed=67)
+    layer, emb = MixedLinear.from_quantized(qt), MixedEmbedding.from_quantized(qt)
+    w64 = _np_weight(qt)
+    for rows in (1, 9):
+        x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+        assert kernels.matmul_path(rows, True) == "segmented"
+        assert _rel(layer(x), np.array(x, dtype=np.float64) @ w64.T) < 1e-5
+        assert _rel(emb.as_linear(x), np.array(x, dtype=np.float64) @ w64.T) < 1e-5
+    assert emb(mx.array([3])).dtype == mx.float16  # lookups in the scales' dtype on a GPU, as on Metal
+    assert fused == [] and layer._cache.weight is None and emb._cache.weight is None
+    monkeypatch.setattr(kernels, "backend", lambda: "metal")
+    assert [kernels.matmul_path(r, m) for r, m in [(1, True), (8, True), (9, True), (1, False)]] == \
+        ["fused", "fused", "segmented", "segmented"]
+
+
+def test_cpu_cache_setting_parses_and_overrides(monkeypatch):
+    """MLX_DQ_CPU_CACHE: on by default, 0/off turn it off, junk is an InputError naming the variable;
+    set_cpu_cache wins over the environment until reset."""
+    from mlx_dq.errors import InputError
+
+    monkeypatch.delenv(kernels.CPU_CACHE_ENV, raising=False)
+    assert kernels.cpu_cache_enabled() and kernels.matmul_path(1, True) == "cached"
+    for raw, want in [("0", False), ("off", False), ("1", True), ("yes", True)]:
+        monkeypatch.setenv(kernels.CPU_CACHE_ENV, raw)
+        assert kernels.cpu_cache_enabled() is want
+    monkeypatch.setenv(kernels.CPU_CACHE_ENV, "maybe")
+    with pytest.raises(InputError, match=kernels.CPU_CACHE_ENV):
+        kernels.cpu_cache_enabled()
+    kernels.set_cpu_cache(False)
+    try:
+        assert kernels.matmul_path(1, True) == "streamed"
+    finally:
+        kernels.set_cpu_cache(None)
+
+
+def test_memory_note_states_the_cache_cost(monkeypatch):
+    """memory_note: the float32 bytes the cache adds (4 per weight, expert banks included), or what it saves."""
+    from mlx_dq.layers.mixed import memory_note, mixed_layers
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = MixedLinear.from_quantized(_quantized((64, 256), "0.5:4b_32g/0.5:3b_32g", seed=68))
+            self.b = MixedSwitchLinear.from_quantized(_quantized((2, 32, 128), "1.0:4b_64g", seed=69))
+            self.c = nn.Linear(8, 8)
+
+    model = Two()
+    assert len(mixed_layers(model)) == 2
+    mib = (64 * 256 + 2 * 32 * 128) * 4 / (1 << 20)
+    monkeypatch.delenv(kernels.CPU_CACHE_ENV, raising=False)
+    note = memory_note(model)
+    assert "cache on" in note and f"add {mib:,.0f} MiB" in note and "MLX_DQ_CPU_CACHE=0" in note
+    monkeypatch.setenv(kernels.CPU_CACHE_ENV, "0")
+    assert "cache off" in memory_note(model) and f"({mib:,.0f} MiB saved)" in memory_note(model)
+    assert memory_note(nn.Linear(4, 4)) is None
+    monkeypatch.setattr(kernels, "backend", lambda: "gpu")
+    assert memory_note(model) is None

@@ -3,19 +3,29 @@
 A mixed weight is stored as segments of input channels (act-order: column ``j``
 of the concatenated segments is original input channel ``perm[j]``), each an MLX
 affine-quantized block with its own bits and group size. Paths, chosen by
-:func:`metal_active`:
+:func:`matmul_path` from :func:`backend`, the rows of x and :func:`cpu_cache_enabled`:
 
 * Metal, decode (at most ``DECODE_MAX_ROWS`` rows of x): ONE fused kernel
   (``KERNEL_SOURCE`` through ``mx.fast.metal_kernel``) reads x through the
   permutation and accumulates every segment in a single pass.
 * Metal, prefill (more rows) and expert banks: x is permuted once, split by
   segment, and MLX's ``quantized_matmul`` / ``gather_qmm`` results are summed.
-* Portable (CPU and any non-Metal backend): the weight is dequantized once in
-  float32 with the permutation folded in (``W[:, argsort(perm)]``) and cached;
-  every call is one fp32 matmul. MLX's CPU ``quantized_matmul`` is never used
-  (it is ~70x slower than this on CPU). Memory cost of the cache: 4 bytes per
-  weight (out*in*4 bytes per layer, e.g. 64 MiB for 4096x4096), on top of the
-  packed codes; ``clear_cache()`` on a layer drops it.
+* Another GPU backend (MLX's CUDA build): the same per-segment quantized matmuls
+  for any number of rows; the weight stays at its packed size.
+* CPU, cache on (the default, ``MLX_DQ_CPU_CACHE`` unset or ``1``): the weight is
+  dequantized once in float32 with the permutation folded in (``W[:, argsort(perm)]``)
+  and cached; every call is one fp32 matmul, because MLX's CPU ``quantized_matmul``
+  is far slower (docs/cost.md#figures-behind-the-code). Memory cost of the cache: 4
+  bytes per weight (out*in*4 bytes per layer, e.g. 64 MiB for 4096x4096), on top of
+  the packed codes; ``clear_cache()`` on a layer drops it.
+* CPU, cache off (``MLX_DQ_CPU_CACHE=0`` or :func:`set_cpu_cache`): nothing but the
+  packed weight is kept. Up to ``CPU_QMM_MAX_ROWS`` rows (decode) go through the
+  per-segment quantized matmuls (memory-bound: as fast as the cached path at 8B shapes,
+  2-50x slower on SmolLM2's small layers); more rows (prefill) read x through the
+  permutation and dequantize the weight
+  ``CPU_CHUNK_BYTES`` of float32 at a time, one block of output rows after another,
+  so the transient float32 is one block, not the weight
+  (benchmarks/results/apple_silicon.md has the figures).
 
 What is and is not verified on a machine without Apple silicon:
 
@@ -63,7 +73,14 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlx_dq.errors import InputError
+
 DECODE_MAX_ROWS = 8  # rows of x up to which the fused kernel runs (its acc[] size)
+# CPU without the cache: rows of x up to which the per-segment quantized matmuls run; beyond, blocks are
+# dequantized (MLX's CPU quantized matmul costs about one dequantization per 4 rows at SmolLM2 shapes)
+CPU_QMM_MAX_ROWS = 4
+CPU_CHUNK_BYTES = 2 << 20  # float32 bytes of one dequantized block of output rows (CPU, cache off)
+CPU_CACHE_ENV = "MLX_DQ_CPU_CACHE"
 MAX_SEGMENTS = 6  # one segment per distinct bit width in {8,6,5,4,3,2}
 SIMD_WIDTH = 32
 ROWS_PER_THREADGROUP = 4  # simdgroups (one output row each) per threadgroup
@@ -152,9 +169,59 @@ KERNEL_OUTPUTS = ["out"]
 _kernel = None
 
 
+_cpu_cache: bool | None = None  # set_cpu_cache's choice; None: the environment decides
+
+
+def backend() -> str:
+    """Where MLX runs by default: ``"metal"``, ``"gpu"`` (another GPU backend, e.g. CUDA) or ``"cpu"``."""
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "gpu"
+
+
 def metal_active() -> bool:
     """True when MLX runs on a Metal GPU by default (fused kernel and quantized matmuls apply)."""
-    return bool(mx.metal.is_available()) and mx.default_device() == mx.gpu
+    return backend() == "metal"
+
+
+def cpu_cache_enabled() -> bool:
+    """Whether mixed layers keep a float32 copy of their weight on the CPU (faster, 4 bytes per weight).
+
+    :func:`set_cpu_cache` decides when it was called; otherwise ``MLX_DQ_CPU_CACHE``
+    (``0``/``off``/``false``/``no``: off; unset, ``1``/``on``/``true``/``yes``: on).
+    """
+    if _cpu_cache is not None:
+        return _cpu_cache
+    raw = os.environ.get(CPU_CACHE_ENV, "").strip().lower()
+    if raw in ("", "1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise InputError(f"{CPU_CACHE_ENV}={raw!r}: use 1 (keep a float32 copy of mixed weights on the CPU) or 0 "
+                     "(compute from the packed weights: the model stays at its file size)")
+
+
+def set_cpu_cache(enabled: bool | None) -> None:
+    """Turn the CPU float32 cache on or off for every mixed layer (``None``: back to ``MLX_DQ_CPU_CACHE``).
+
+    Layers drop a cache they built at their next call once it is off.
+    """
+    global _cpu_cache
+    _cpu_cache = enabled
+
+
+def matmul_path(rows: int, mixed: bool) -> str:
+    """The forward path of a stored weight for ``rows`` rows of x (``mixed``: it has a permutation).
+
+    ``"fused"`` (Metal decode kernel), ``"segmented"`` (per-segment quantized matmuls),
+    ``"cached"`` (float32 copy, CPU) or ``"streamed"`` (CPU without the copy).
+    """
+    where = backend()
+    if where == "metal":
+        return "fused" if mixed and rows <= DECODE_MAX_ROWS else "segmented"
+    if where == "gpu":
+        return "segmented"
+    return "cached" if cpu_cache_enabled() else "streamed"
 
 
 def _get_kernel():
@@ -267,7 +334,10 @@ def segmented_quantized_matmul(
     bits: Sequence[int],
     group_sizes: Sequence[int],
 ) -> mx.array:
-    """``x @ W^T`` as a sum of MLX quantized matmuls, one per segment (Metal prefill path)."""
+    """``x @ W^T`` as a sum of MLX quantized matmuls, one per segment.
+
+    Metal prefill, other GPU backends, and CPU decode without the float32 cache.
+    """
     xp = x if perm is None else mx.take(x, perm.astype(mx.uint32), axis=-1)
     out, start = None, 0
     for (w, s, b), nb, g in zip(parts, bits, group_sizes):
@@ -299,6 +369,44 @@ def segmented_gather_qmm(
         out = y if out is None else out + y
         start += k
     return out
+
+
+def streamed_matmul(
+    x: mx.array,
+    perm: mx.array | None,
+    parts: Sequence[tuple[mx.array, mx.array, mx.array]],
+    bits: Sequence[int],
+    group_sizes: Sequence[int],
+) -> mx.array:
+    """``x @ W^T`` on the CPU without keeping a float32 weight, computed in float32, returned in x's dtype.
+
+    Few rows: per-segment quantized matmuls. More: x is read through the permutation
+    once and each block of output rows is dequantized segment by segment
+    (``CPU_CHUNK_BYTES`` of float32 at most) and multiplied, so no float32 copy of the
+    whole weight exists at any time, and none is kept after the call.
+    """
+    x32 = x.astype(mx.float32)
+    rows = x.size // x.shape[-1]
+    if rows <= CPU_QMM_MAX_ROWS:
+        return segmented_quantized_matmul(x32, perm, parts, bits, group_sizes).astype(x.dtype)
+    xp = x32 if perm is None else mx.take(x32, perm.astype(mx.uint32), axis=-1)
+    n, k = int(parts[0][0].shape[-2]), int(x.shape[-1])
+    block = max(1, CPU_CHUNK_BYTES // (4 * k))
+    outs: list[mx.array] = []
+    for a in range(0, n, block):
+        y, start = None, 0
+        for (w, s, b), nb, g in zip(parts, bits, group_sizes):
+            width = int(s.shape[-1]) * int(g)
+            ws, ss, bs = w[a : a + block], s[a : a + block], b[a : a + block]
+            if outs:  # MLX would otherwise dequantize every block before the first matmul: the whole weight
+                ws, ss, bs = mx.depends([ws, ss, bs], [outs[-1]])
+            wd = mx.dequantize(ws, ss.astype(mx.float32), bs.astype(mx.float32), group_size=g, bits=nb)
+            part = xp[..., start : start + width] @ wd.T
+            y = part if y is None else y + part
+            start += width
+        outs.append(y)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
+    return out.astype(x.dtype)
 
 
 def dequantize_parts(

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from mlx_dq.layers import kernels
@@ -125,7 +127,7 @@ class _MixedWeight(nn.Module):
             a is not b for a, b in zip(cache.sources, sources)
         ):
             # row-contiguous copy: the permuted gather's output otherwise makes every
-            # matmul copy the weight again (measured 1.5x slower at 4096x4096, 1 token)
+            # matmul copy the weight again (docs/cost.md#figures-behind-the-code)
             cache.weight = mx.contiguous(self.dequantize())
             mx.eval(cache.weight)
             cache.sources = sources
@@ -136,14 +138,29 @@ class _MixedWeight(nn.Module):
         self._cache = _Cache()
 
     def _matmul(self, x: mx.array) -> mx.array:
-        """``x @ W^T`` through the path that fits the backend and the number of rows."""
-        if not kernels.metal_active():
-            return kernels.portable_matmul(x, self.cached_weight())
+        """``x @ W^T`` through the path that fits the backend, the number of rows and the CPU cache choice."""
         perm = self._perm()
-        rows = x.size // x.shape[-1]
-        if perm is not None and rows <= kernels.DECODE_MAX_ROWS:
+        path = kernels.matmul_path(x.size // x.shape[-1], perm is not None)
+        if path == "cached":
+            return kernels.portable_matmul(x, self.cached_weight())
+        if path == "fused":
             return kernels.fused_mixed_matmul(x, perm, self.parts, self.seg_bits, self.seg_group_sizes)
+        if path == "streamed":
+            self._drop_cache()  # the cache was turned off after it was built: free its float32
+            return kernels.streamed_matmul(x, perm, self.parts, self.seg_bits, self.seg_group_sizes)
         return kernels.segmented_quantized_matmul(x, perm, self.parts, self.seg_bits, self.seg_group_sizes)
+
+    def _drop_cache(self) -> None:
+        if self._cache.weight is not None:
+            self.clear_cache()
+
+    def cache_bytes(self) -> int:
+        """Bytes the CPU float32 cache of this weight takes when built (4 per weight)."""
+        return 4 * int(np.prod(self["weight_0"].shape[:-1])) * sum(self.seg_widths)
+
+    def packed_bytes(self) -> int:
+        """Bytes of the stored arrays (codes, scales, biases, permutation; a Linear's bias too)."""
+        return sum(int(v.nbytes) for _, v in tree_flatten(self.parameters()))
 
     def _extra_repr(self) -> str:
         return f"option={self.option_desc!r}"
@@ -199,13 +216,16 @@ class MixedEmbedding(_MixedWeight):
     def __call__(self, ids: mx.array) -> mx.array:
         """Rows ``ids`` of the table, dequantizing only the gathered rows.
 
-        float32 on the portable path, the scales' dtype on Metal.
+        float32 on the CPU, the scales' dtype on a GPU.
         """
-        if not kernels.metal_active() and self._cache.weight is not None:
-            return self.cached_weight()[ids]
+        on_cpu = kernels.backend() == "cpu"
+        if on_cpu and self._cache.weight is not None:
+            if kernels.cpu_cache_enabled():
+                return self.cached_weight()[ids]
+            self._drop_cache()
         rows = [(w[ids], s[ids], b[ids]) for w, s, b in self.parts]
         out = kernels.dequantize_parts(rows, self.seg_bits, self.seg_group_sizes, self._perm())
-        if kernels.metal_active():
+        if not on_cpu:
             out = out.astype(self["scales_0"].dtype)
         return out
 
@@ -238,14 +258,18 @@ class MixedSwitchLinear(_MixedWeight):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         """Same contract as mlx-lm's ``SwitchLinear``: expert ``indices[...]`` applied to ``x``."""
-        if kernels.metal_active():
-            y = kernels.segmented_gather_qmm(
-                x, self._perm(), self.parts, self.seg_bits, self.seg_group_sizes, indices, sorted_indices
-            )
-        else:
+        path = kernels.matmul_path(x.size // x.shape[-1], "perm" in self)
+        if path == "cached":
             w = self.cached_weight()
             y = mx.gather_mm(
                 x.astype(mx.float32), w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices
+            ).astype(x.dtype)
+        else:  # a GPU, or the CPU without the cache (computed in float32 there, from the packed bank)
+            if path == "streamed":
+                self._drop_cache()
+            xs = x.astype(mx.float32) if path == "streamed" else x
+            y = kernels.segmented_gather_qmm(
+                xs, self._perm(), self.parts, self.seg_bits, self.seg_group_sizes, indices, sorted_indices
             ).astype(x.dtype)
         if "bias" in self:
             y = y + mx.expand_dims(self["bias"][indices], -2)
@@ -253,6 +277,28 @@ class MixedSwitchLinear(_MixedWeight):
 
 
 MixedLayer = MixedLinear | MixedEmbedding | MixedSwitchLinear
+
+
+def mixed_layers(model: nn.Module) -> list[_MixedWeight]:
+    """Every mixed layer of ``model`` (row-split tables' parts included)."""
+    return [m for _, m in model.named_modules() if isinstance(m, _MixedWeight)]
+
+
+def memory_note(model: nn.Module) -> str | None:
+    """One line on what the CPU float32 cache costs ``model``, or None when it does not apply (a GPU, no mixed
+    layer): so that ``mlx_dq generate`` can say why memory exceeds the file size, and how to avoid it."""
+    layers = mixed_layers(model)
+    if not layers or kernels.backend() != "cpu":
+        return None
+    cache = sum(m.cache_bytes() for m in layers)
+    packed = sum(m.packed_bytes() for m in layers)
+    mib = 1 << 20
+    if kernels.cpu_cache_enabled():
+        return (f"mlx-dq: CPU float32 cache on: {len(layers)} mixed tensors add {cache / mib:,.0f} MiB to their "
+                f"{packed / mib:,.0f} MiB packed ({kernels.CPU_CACHE_ENV}=0 keeps them at their file size; "
+                "decode and prefill are slower then)")
+    return (f"mlx-dq: CPU float32 cache off: {len(layers)} mixed tensors stay at "
+            f"{packed / mib:,.0f} MiB packed ({cache / mib:,.0f} MiB saved)")
 
 
 def _scale_dtype(qt: QuantizedTensor) -> mx.Dtype:
