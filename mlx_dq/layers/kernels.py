@@ -68,7 +68,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -338,14 +338,8 @@ def segmented_quantized_matmul(
 
     Metal prefill, other GPU backends, and CPU decode without the float32 cache.
     """
-    xp = x if perm is None else mx.take(x, perm.astype(mx.uint32), axis=-1)
-    out, start = None, 0
-    for (w, s, b), nb, g in zip(parts, bits, group_sizes):
-        k = int(s.shape[-1]) * int(g)
-        y = mx.quantized_matmul(xp[..., start : start + k], w, s, b, transpose=True, group_size=g, bits=nb)
-        out = y if out is None else out + y
-        start += k
-    return out
+    return _sum_over_segments(x, perm, parts, bits, group_sizes, lambda xs, w, s, b, g, nb: mx.quantized_matmul(
+        xs, w, s, b, transpose=True, group_size=g, bits=nb))
 
 
 def segmented_gather_qmm(
@@ -358,14 +352,24 @@ def segmented_gather_qmm(
     sorted_indices: bool = False,
 ) -> mx.array:
     """Expert-bank ``gather_qmm`` summed over segments, x read through the bank's permutation."""
+    return _sum_over_segments(x, perm, parts, bits, group_sizes, lambda xs, w, s, b, g, nb: mx.gather_qmm(
+        xs, w, s, b, rhs_indices=indices, transpose=True, group_size=g, bits=nb, sorted_indices=sorted_indices))
+
+
+def _sum_over_segments(
+    x: mx.array,
+    perm: mx.array | None,
+    parts: Sequence[tuple[mx.array, mx.array, mx.array]],
+    bits: Sequence[int],
+    group_sizes: Sequence[int],
+    matmul: Callable[..., mx.array],
+) -> mx.array:
+    """``sum_i matmul(x_i, w_i, s_i, b_i, g_i, bits_i)`` over the segments' slices of x read through ``perm``."""
     xp = x if perm is None else mx.take(x, perm.astype(mx.uint32), axis=-1)
     out, start = None, 0
     for (w, s, b), nb, g in zip(parts, bits, group_sizes):
         k = int(s.shape[-1]) * int(g)
-        y = mx.gather_qmm(
-            xp[..., start : start + k], w, s, b, rhs_indices=indices, transpose=True,
-            group_size=g, bits=nb, sorted_indices=sorted_indices,
-        )
+        y = matmul(xp[..., start : start + k], w, s, b, g, nb)
         out = y if out is None else out + y
         start += k
     return out
