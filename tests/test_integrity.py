@@ -226,7 +226,7 @@ def _edit_config(folder: Path, rng: random.Random) -> str:
         mixed = config["mlx_dq"]["mixed"]
         name = rng.choice(sorted(mixed))
         mixed[name]["option"] = rng.choice(["1.0:4b_64g", "0.5:3b_64g/0.5:4b_32g", "garbage", 7, None])
-        key = f"mlx_dq.layers.mixed.{name}"
+        key = f"mlx_dq.mixed.{name}"
     else:
         config["model_file"] = rng.choice(["evil.py", "../x.py", 5, None])
     path.write_text(json.dumps(config))
