@@ -2,7 +2,7 @@
 
 The references below are the plain formulations (``mx.round`` rounding, the
 dequantized value computed per weight, the GPTQ column step through
-``_codes_f16`` / ``_dequant_f16`` below, numpy's conversions); the fast paths
+``codes_f16`` / ``dequant_f16`` from storage_reference.py, numpy's conversions); the fast paths
 must give bit-identical codes, scales, biases and errors.
 """
 
@@ -13,6 +13,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 import pytest
+from storage_reference import codes_f16, dequant_f16
 
 import mlx_dq.quant.scale_search as quant
 from mlx_dq.quant import scale_search as gptq
@@ -24,23 +25,6 @@ from mlx_dq.quant.options import QuantOption
 from mlx_dq.quant.scale_search import choose_group_params, clip_search, gram_weights
 from mlx_dq.quant.spec import QuantizerSpec
 from mlx_dq.quant.storage import clipped_rint
-
-
-def _codes_f16(w, scales, biases, bits):
-    """Nearest codes of float32 ``w`` for fp16 ``scales``/``biases`` (broadcast), clipped to ``bits``: the plain form."""
-    s = np.asarray(scales, dtype=np.float32)
-    b = np.asarray(biases, dtype=np.float32)
-    safe = np.where(s == 0, 1.0, s)
-    q = np.clip(np.rint((w - b) / safe), 0, (1 << bits) - 1)
-    return np.where(s == 0, 0.0, q).astype(np.float32)
-
-
-def _dequant_f16(q, scales, biases):
-    """``mx.dequantize``'s values for fp16 ``scales``/``biases``, rounded by numpy's fp16 conversions."""
-    s = np.asarray(scales, dtype=np.float32)
-    b = np.asarray(biases, dtype=np.float32)
-    prod = (s * q).astype(np.float16).astype(np.float32)
-    return (prod + b).astype(np.float16).astype(np.float32)
 
 
 def test_clipped_rint_equals_clipped_round() -> None:
@@ -206,8 +190,8 @@ def _reference_gptq_core(w, gram, option, order, *, static_groups, process_order
                 params_for(wt_[:, p:p + gsz, :].transpose(0, 2, 1), g, 1, gsz, int(g_bits[g]))
             s, bi = scales[g].astype(np.float32), biases[g].astype(np.float32)
             col = wt_[:, p, :]
-            q = _codes_f16(col, s, bi, int(g_bits[g]))
-            dq = _dequant_f16(q, s, bi)
+            q = codes_f16(col, s, bi, int(g_bits[g]))
+            dq = dequant_f16(q, s, bi)
             raw = np.rint((col - bi) / np.where(s == 0, 1.0, s))
             clipped += int(np.count_nonzero(((raw < 0) | (raw > q_max[g])) & (s != 0)))
             codes[:, sp, :] = q

@@ -8,6 +8,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from storage_reference import codes_f16, dequant_f16
 
 from mlx_dq.quant import scale_search, storage
 from mlx_dq.quant.options import VALID_BITS, VALID_GROUPS
@@ -45,21 +46,6 @@ def _candidate_codes(w, s16, b16, n_bins):
     b = b16.astype(mx.float32)[..., None]
     keep = (s != 0).astype(mx.float32)[..., None]
     return storage.clipped_rint((w - b) / mx.where(s == 0, 1.0, s)[..., None], n_bins) * keep
-
-
-def _codes_f16(w, scales, biases, bits):
-    s = np.asarray(scales, dtype=np.float32)
-    b = np.asarray(biases, dtype=np.float32)
-    safe = np.where(s == 0, 1.0, s)
-    q = np.clip(np.rint((w - b) / safe), 0, (1 << bits) - 1)
-    return np.where(s == 0, 0.0, q).astype(np.float32)
-
-
-def _dequant_f16(q, scales, biases):
-    s = np.asarray(scales, dtype=np.float32)
-    b = np.asarray(biases, dtype=np.float32)
-    prod = (s * q).astype(np.float16).astype(np.float32)
-    return (prod + b).astype(np.float16).astype(np.float32)
 
 
 def _round_f16(x, tmp, tmp2):
@@ -109,9 +95,9 @@ def test_codes_and_packing_equal_every_former_copy_and_mlx(bits: int, group: int
     assert _same(got * (s32 != 0).astype(mx.float32)[..., None], _candidate_codes(wg, s, b, n_bins))
     assert _same(scale_search._codes(wg, s, b, n_bins), _candidate_codes(wg, s, b, n_bins))
     wn, sn, bn = np.array(wg), np.array(s32)[..., None], np.array(b32)[..., None]
-    assert _same(storage.codes(wn, sn, bn, q_max), _codes_f16(wn, sn, bn, bits))
+    assert _same(storage.codes(wn, sn, bn, q_max), codes_f16(wn, sn, bn, bits))
     out, raw = np.empty_like(wn), np.empty_like(wn)
-    assert _same(storage.codes(wn, sn, bn, float(q_max), out=out, raw=raw), _codes_f16(wn, sn, bn, bits))
+    assert _same(storage.codes(wn, sn, bn, float(q_max), out=out, raw=raw), codes_f16(wn, sn, bn, bits))
     codes = q_mlx.reshape(w16.shape)
     assert np.array_equal(storage.pack_codes(codes, bits), np.array(packed))
     assert np.array_equal(np.array(storage.pack_codes_mx(codes, bits)), np.array(packed))
@@ -138,13 +124,13 @@ def test_dequantization_equals_every_former_copy_and_mlx(bits: int, group: int, 
     assert _same(ref, _dequantize_ref(q.astype(np.uint16), sn, bn, kind))
     if kind == "float16":
         s32, b32 = sn.astype(np.float32), bn.astype(np.float32)
-        assert _same(storage.dequantize(q, s32, b32, np.float16), _dequant_f16(q, s32, b32))
+        assert _same(storage.dequantize(q, s32, b32, np.float16), dequant_f16(q, s32, b32))
         out, scratch = np.empty_like(q), (np.empty_like(q), np.empty_like(q))
         fast = storage.dequantize(q, s32, b32, "float16", out=out, scratch=scratch)
         t1, t2 = np.empty_like(q), np.empty_like(q)
         old = _round_f16(np.multiply(s32, q, out=np.empty_like(q)), t1, t2)
         old = _round_f16(np.add(old, b32, out=old), t1, t2)
-        assert _same(fast, old) and _same(fast, _dequant_f16(q, s32, b32))
+        assert _same(fast, old) and _same(fast, dequant_f16(q, s32, b32))
 
 
 def test_affine_params_are_mlxs_rule() -> None:
