@@ -110,26 +110,20 @@ def _same_measurement(a: Path, b: Path) -> None:
     assert da == db
 
 
-def test_two_ranks_measure_and_convert_byte_identical_to_one_process(setup):
-    s, tmp = setup, setup["tmp"]
-    out = tmp / "two.json"
-    _run(_measure_args(s, out), tmp)
-    _same_measurement(s["single"], out)  # every float equal, not merely close
-    assert not list(tmp.glob("two.json.state*")), "resume states must be removed when the run completes"
+def _same_conversion(one: Path, two: Path, renames: list[tuple[bytes, bytes]]) -> list[str]:
+    """Assert two converted folders hold the same files, byte for byte but for their timings; their names.
 
-    conv = tmp / "two-out"
-    log = _run(["convert", "--model", str(s["folder"]), "--bpw", "3.5", "--rows", str(ROWS), "--seq-len",
-                str(SEQ_LEN), "--measurement", str(out), "-o", str(conv)], tmp)
-    assert log.count("wrote ") == 1  # rank 0 reports and writes
-    names = sorted(p.name for p in s["conv"].iterdir())
-    assert names == sorted(p.name for p in conv.iterdir())
+    ``renames``: (in ``one``, in ``two``) byte strings, e.g. the output folder and measurement file that the card
+    and the manifest name."""
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in two.iterdir())
     # the only fields that differ: wall-clock times, and the digest of a measurement file that holds its timings
     timing = {"mlx_dq.json": [("provenance", "quantization_seconds"), ("provenance", "measurement", "sha256")],
               "plan.json": [("wall_s",)]}
     for name in names:
-        a, b = (s["conv"] / name).read_bytes(), (conv / name).read_bytes()
-        # the card and the manifest name the output folder and the measurement file
-        a = a.replace(b"single-out", b"two-out").replace(b"single.json", b"two.json")
+        a, b = (one / name).read_bytes(), (two / name).read_bytes()
+        for x, y in renames:
+            a = a.replace(x, y)
         if name in timing:
             da, db = json.loads(a), json.loads(b)
             for doc in (da, db):
@@ -143,6 +137,21 @@ def test_two_ranks_measure_and_convert_byte_identical_to_one_process(setup):
             assert strip_timing(json.loads(a)) == strip_timing(json.loads(b))
         else:
             assert a == b, f"{name} differs between one process and two ranks"
+    return names
+
+
+def test_two_ranks_measure_and_convert_byte_identical_to_one_process(setup):
+    s, tmp = setup, setup["tmp"]
+    out = tmp / "two.json"
+    _run(_measure_args(s, out), tmp)
+    _same_measurement(s["single"], out)  # every float equal, not merely close
+    assert not list(tmp.glob("two.json.state*")), "resume states must be removed when the run completes"
+
+    conv = tmp / "two-out"
+    log = _run(["convert", "--model", str(s["folder"]), "--bpw", "3.5", "--rows", str(ROWS), "--seq-len",
+                str(SEQ_LEN), "--measurement", str(out), "-o", str(conv)], tmp)
+    assert log.count("wrote ") == 1  # rank 0 reports and writes
+    names = _same_conversion(s["conv"], conv, [(b"single-out", b"two-out"), (b"single.json", b"two.json")])
     assert any(n.endswith(".safetensors") for n in names)
 
 
@@ -151,6 +160,67 @@ def test_one_rank_launch_equals_one_process(setup):
     out = tmp / "one.json"
     _run(_measure_args(s, out), tmp, n=1)
     _same_measurement(s["single"], out)
+
+
+SAMPLE_ROWS = 128  # no decoder tensor of the tiny model has more rows; the head's sample: 8 x 128 + the looked-up
+PADDED_VOCAB = 2048  # the embedding's rows, most never looked up (as in models whose vocabulary is padded)
+
+
+def _pad_vocab(folder: Path, vocab: int) -> None:
+    """Give the model ``vocab`` embedding (and head) rows, the new ones random: a table large enough to be sampled
+    (the tiny tokenizer cannot have that many tokens)."""
+    path = folder / "model.safetensors"
+    weights = mx.load(str(path))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            w = weights[name]
+            extra = 0.02 * mx.random.normal((vocab - w.shape[0], w.shape[1]), key=mx.random.key(1))
+            weights[name] = mx.concatenate([w, extra.astype(w.dtype)])
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "vocab_size": vocab}, indent=2))
+
+
+# The tied head still differs in the 11th digit of two options' err: batched GPTQ's stacked matmul rounds
+# differently when each rank batches only its own share of the options (fix: hand out whole batches).
+TIED_GAP = pytest.mark.xfail(strict=True, reason="batched GPTQ rounds differently on a rank's share of the options")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(True, marks=TIED_GAP), False], ids=["tied", "untied"])
+def sampled(request, tmp_path_factory) -> dict:
+    """The README command's settings on a tiny llama: the default grid, the default row sampling of the head (its
+    table large enough to be sampled), frequent-token rows at conversion; one process's measurement of it."""
+    tied = request.param
+    tmp = tmp_path_factory.mktemp("dist-sampled-" + ("tied" if tied else "untied"))
+    folder = make_tiny_model_folder(tmp, "llama", num_layers=2, hidden=64, intermediate=128, tie=tied)
+    _pad_vocab(folder, PADDED_VOCAB)
+    single = tmp / "single.json"
+    measure(str(folder), rows=ROWS, seq_len=SEQ_LEN, sample_rows=SAMPLE_ROWS, out_path=single, progress=False)
+    return {"tmp": tmp, "folder": folder, "single": single, "tied": tied}
+
+
+def test_two_ranks_equal_one_with_a_sampled_head(sampled):
+    """The embedding/head stage, too, gives the same record on two ranks as on one (issue: the tied head's
+    options differed by 0.1-4% between one and two ranks)."""
+    s, tmp = sampled, sampled["tmp"]
+    one = load_measurement(s["single"])
+    head = one.tensors["model.embed_tokens" if s["tied"] else "lm_head"]
+    assert head.extra["sampled_rows"] < head.shape[0] and head.extra.get("head_anchors"), head.extra  # this path
+    assert len(head.options) > 4  # the default grid's options, not a test grid's few
+    out = tmp / "two.json"
+    _run(["measure", "--model", str(s["folder"]), "--rows", str(ROWS), "--seq-len", str(SEQ_LEN),
+          "--sample-rows", str(SAMPLE_ROWS), "-o", str(out)], tmp)
+    _same_measurement(s["single"], out)  # every float equal, not merely close
+    if not s["tied"]:
+        return
+    outs = {}
+    for n, name in ((1, "one-out"), (2, "two-out")):  # frequent-token rows (the default) from the same measurement
+        outs[n] = tmp / name
+        log = _run(["convert", "--model", str(s["folder"]), "--bpw", "3.5", "--rows", str(ROWS), "--seq-len",
+                    str(SEQ_LEN), "--measurement", str(s["single"]), "-o", str(outs[n])], tmp, n=n)
+        assert log.count("wrote ") == 1
+    _same_conversion(outs[1], outs[2], [(b"one-out", b"two-out")])
+    assert "hot_rows" in (outs[2] / "mlx_dq.json").read_text()  # the embedding was stored with frequent-token rows
 
 
 def _rank_pids(launcher: subprocess.Popen) -> dict[int, int]:

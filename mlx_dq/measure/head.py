@@ -16,7 +16,7 @@ import numpy as np
 from mlx_dq.measure.head_kl import HeadKL, add_lookup_damage, chunked_nll_sum
 from mlx_dq.measure.importance import depth_kl_scales
 from mlx_dq.measure.meter import ErrorMeter, output_energies, output_row_sample
-from mlx_dq.measure.records import TensorRecord
+from mlx_dq.measure.records import OptionRecord, TensorRecord
 from mlx_dq.measure.run import (
     MeasureRun,
     grid_options,
@@ -122,8 +122,9 @@ def _measure_head_tensor(run: MeasureRun, path: str, mod: nn.Module, head_col: G
             fn = add_lookup_damage(fn, mod.weight, embed_lookup[path], _lookup_weight(run, path, scale))
     opts = grid_options(run.grid_map, role, path)
     rec = None
-    if fn is not None and not owner and s.sample_rows > 0:  # one rank: anchors end to end, the rest predicted
-        rec = _head_by_anchors(run, path, mod.weight, opts, stats, fn, _lookup_weight(run, path, scale))
+    if fn is not None and s.sample_rows > 0:  # anchors end to end, the rest predicted (each rank its share)
+        rec = _head_by_anchors(run, path, mod.weight, opts, stats, fn, _lookup_weight(run, path, scale),
+                               owned_options(owner, path))
     if rec is None:
         rec = measure_tensor(path, mod.weight, opts, stats, role, spec=s.quantizer(), lookup=lookup, damage_fn=fn,
                              how=HowToMeasure(progress=run.progress, only=owned_options(owner, path),
@@ -154,7 +155,8 @@ def head_anchors(options: Sequence[QuantOption], in_features: int) -> list[Quant
 
 
 def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[QuantOption], stats: InputStats,
-                     fn: Callable[[mx.array], float], lookup_weight: float) -> TensorRecord | None:
+                     fn: Callable[[mx.array], float], lookup_weight: float,
+                     only: set[str] | None = None) -> TensorRecord | None:
     """The head's options: end-to-end KL at :func:`head_anchors`, the others predicted from it; None if no gain.
 
     Each anchor gives the head's KL per squared output error for its kind
@@ -165,7 +167,9 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
     looked-up row is in the sample). Why: the head's options, each quantized on
     every vocabulary row and run through the head, were most of a small model's
     measurement, and the KL per squared error stays nearly constant within each
-    kind (see docs/pipeline.md).
+    kind (see docs/pipeline.md). ``only`` (several ranks): this rank's options; every rank measures its share of
+    the anchors and of the predicted options, on the same global sample, and returns the whole record (the same on
+    every rank, and the same as one process's).
     """
     role, in_f = role_of(path), int(w.shape[-1])
     fitting = fitting_options(options, in_f)
@@ -176,17 +180,20 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
     sample = output_row_sample(path, w, stats.gram, HEAD_SAMPLE_FACTOR * run.s.sample_rows, must, energy=energy)
     if sample is None or len(fitting) <= len(anchors):
         return None
+    anchor_at = {o.desc: i for i, o in enumerate(anchors)}
     rec = measure_tensor(path, w, anchors, stats, role, spec=run.s.quantizer(), damage_fn=fn,
-                         how=HowToMeasure(progress=run.progress, energy=energy))
+                         how=HowToMeasure(progress=run.progress, energy=energy, only=only))
     parts = list(getattr(fn, "lookup_damage", [0.0] * len(rec.options)))
+    got = sorted(_every_rank(list(zip(rec.options, parts)), only), key=lambda rp: anchor_at[rp[0].option.desc])
+    rec.options, parts = [r for r, _ in got], [lp for _, lp in got]  # every rank needs both anchors' ratios
     ratio = {r.option.is_mixed: max(r.damage - lp, 0.0) / r.err ** 2 if r.err else 0.0
              for r, lp in zip(rec.options, parts)}  # head KL per squared output error, whole and mixed options
     idx, row_w = sample
     ws = w[idx]
     lk_meter = ErrorMeter(ws, None, lookup.token_counts[np.asarray(idx)]) if lookup is not None else None
     for mixed in (False, True):
-        group = [o for o in fitting if o not in anchors and o.is_mixed == mixed]
-        if not group:
+        group = [o for o in fitting if o not in anchors and o.is_mixed == mixed and (only is None or o.desc in only)]
+        if not group:  # (with several ranks: this rank's share; the sample and the ratio are the same on every rank)
             continue
         meter, k = ErrorMeter(ws, stats.gram, None, row_w, energy[np.asarray(idx)]), \
             ratio.get(mixed, ratio[anchors[0].is_mixed])
@@ -199,14 +206,24 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
         part = measure_tensor(path, w, group, stats, role, spec=run.s.quantizer(), damage_fn=predicted,
                               how=HowToMeasure(progress=run.progress, sample=sample, energy=energy))
         rec.options += part.options
+    n = len(anchors)
+    predicted = _every_rank(list(zip(rec.options[n:], parts[n:])), only)
     order = {o.desc: i for i, o in enumerate(fitting)}
-    by_option = sorted(zip(rec.options, parts), key=lambda rp: order[rp[0].desc])
+    by_option = sorted(list(zip(rec.options[:n], parts[:n])) + predicted, key=lambda rp: order[rp[0].desc])
     rec.options = [r for r, _ in by_option]
-    rec.extra.update(part.extra, head_anchors=[o.desc for o in anchors],
+    rec.extra.update(sampled_rows=int(idx.shape[0]), head_anchors=[o.desc for o in anchors],
                      head_kl_per_err2={("mixed" if k else "whole"): v for k, v in ratio.items()})
     if lookup is not None:
         rec.extra["lookup_damage"] = [round(lp, 6) for _, lp in by_option]
     return rec
+
+
+def _every_rank(pairs: list[tuple[OptionRecord, float]], only: set[str] | None) -> list[tuple[OptionRecord, float]]:
+    """Every rank's (option record, lookup damage) ``pairs`` when the options are shared over ranks (``only`` given),
+    in rank order; ``pairs`` as they are in one process."""
+    if only is None:
+        return pairs
+    return [x for part in dist.gather_objects(pairs) for x in part]
 
 
 def _carried_kls(run: MeasureRun, head_kl: "HeadKL", mod: nn.Module | None) -> dict[int, float]:
