@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# Fields that differ between two runs of the same code: times, dates, paths, versions.
-VOLATILE = ("time", "seconds", "_s", "date", "created", "elapsed", "path", "spec", "command", "version", "host",
-            "wall", "throughput", "peak", "rss", "threads")
+# Fields that differ between two runs of the same code: wall times, the command, paths, package versions.
+VOLATILE = frozenset({"forward_s", "importance_s", "layers_s", "options_s", "total_s", "wall_s", "quantization_seconds",
+                      "command", "path", "spec", "version", "versions", "created", "date"})
 METHODS = {"gptq": {"method": "gptq"}, "rtn": {"method": "rtn", "clip": False}, "rtn_clip": {"method": "rtn", "clip": True}}
 
 
 def _volatile(key: str) -> bool:
-    k = key.lower()
-    return any(v in k for v in VOLATILE)
+    return key in VOLATILE
 
 
 def _strip(doc: Any, parent: str = "") -> Any:
