@@ -310,6 +310,31 @@ def test_option_quantizer_batches_in_order_and_within_budget(layer):
                 assert _same_tensor(qt, alone), (budget, opt.desc)
 
 
+def test_option_quantizer_on_a_share_makes_one_process_passes(layer):
+    """A rank's share of the options (``only``) is quantized in the passes one process makes over them all
+    (:func:`option_batches`): the same codes and row errors, bit for bit, whatever the share."""
+    from mlx_dq.quant.dispatch import option_batches, option_quantizer
+
+    w, x, gram = layer
+    descs = ["1.0:2b_64g", "0.25:4b_64g/0.75:3b_64g", "1.0:4b_32g", "1.0:4b_64g", "0.25:5b_64g/0.75:4b_64g",
+             "1.0:8b_64g", "16b", "1.0:3b_32g"]
+    opts = [QuantOption.parse(d) for d in descs]
+    wm, gm = mx.array(w), mx.array(gram)
+    budget = 3 * 4 * w.size * 2  # two options a pass
+    assert [[o.desc for o in b] for b in option_batches(opts, w.shape, batch_bytes=budget)] == [
+        ["1.0:2b_64g", "1.0:4b_64g"], ["0.25:4b_64g/0.75:3b_64g", "0.25:5b_64g/0.75:4b_64g"],
+        ["1.0:4b_32g", "1.0:3b_32g"], ["1.0:8b_64g"], ["16bit"]]
+    full = option_quantizer(wm, opts, gm, factor_cache={}, batch_bytes=budget)
+    one = {o.desc: full(o)[0] for o in opts}
+    for share in ({"1.0:4b_64g", "1.0:3b_32g"}, {"1.0:2b_64g", "0.25:5b_64g/0.75:4b_64g", "16bit"}):
+        get = option_quantizer(wm, opts, gm, factor_cache={}, batch_bytes=budget, only=share)
+        for opt in (o for o in opts if o.desc in share):
+            qt, _ = get(opt)
+            if not opt.keep16:
+                assert _same_tensor(qt, one[opt.desc]), opt.desc
+                np.testing.assert_array_equal(qt.out_sq, one[opt.desc].out_sq)
+
+
 def test_options_of_different_layouts_refused_in_one_pass(layer):
     from mlx_dq.quant.gptq import gptq_quantize_many
 

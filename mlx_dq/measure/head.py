@@ -33,6 +33,7 @@ from mlx_dq.measure.tensor import (
 from mlx_dq.model.capture import GramCollector, InputStats
 from mlx_dq.model.runner import free_table, record_head_inputs
 from mlx_dq.names import layer_index, role_of
+from mlx_dq.quant.dispatch import option_batches
 from mlx_dq.quant.options import QuantOption
 from mlx_dq.runtime import distributed as dist
 from mlx_dq.runtime.distributed import iter_batches
@@ -52,7 +53,8 @@ def measure_head(run: MeasureRun) -> None:
     recs = {}
     for path in lookup_only:
         run.runner.load_outside(only=[path])
-        own = share_options(run, {path: head_mods[path]})  # after loading: the split needs the shape
+        table = head_mods[path]  # loaded: the split needs the shape
+        own = share_options(run, {path: table}, {path: _head_passes(run, path, table, None)})
         owner.update(own)
         recs[path] = _measure_head_tensor(run, path, head_mods[path], None, None, 1.0, own)
         free_table(head_mods[path])
@@ -85,7 +87,7 @@ def measure_head(run: MeasureRun) -> None:
         if s.importance == "residual":
             recs[path][0].importance = _lookup_weight(run, path, scale)
     rest = {p: mod for p, mod in head_mods.items() if p not in lookup_only}
-    own = share_options(run, rest)
+    own = share_options(run, rest, {p: _head_passes(run, p, mod, head_col.stats.get(p)) for p, mod in rest.items()})
     owner.update(own)
     for path, mod in rest.items():
         recs[path] = _measure_head_tensor(run, path, mod, head_col, head_kl, scale, own)
@@ -192,8 +194,8 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
     ws = w[idx]
     lk_meter = ErrorMeter(ws, None, lookup.token_counts[np.asarray(idx)]) if lookup is not None else None
     for mixed in (False, True):
-        group = [o for o in fitting if o not in anchors and o.is_mixed == mixed and (only is None or o.desc in only)]
-        if not group:  # (with several ranks: this rank's share; the sample and the ratio are the same on every rank)
+        group = [o for o in fitting if o not in anchors and o.is_mixed == mixed]  # measured: this rank's share
+        if not any(only is None or o.desc in only for o in group):  # the sample and ratio: the same on every rank
             continue
         meter, k = ErrorMeter(ws, stats.gram, None, row_w, energy[np.asarray(idx)]), \
             ratio.get(mixed, ratio[anchors[0].is_mixed])
@@ -204,7 +206,7 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
             return k * meter(wq)[0] ** 2 + lk
 
         part = measure_tensor(path, w, group, stats, role, spec=run.s.quantizer(), damage_fn=predicted,
-                              how=HowToMeasure(progress=run.progress, sample=sample, energy=energy))
+                              how=HowToMeasure(progress=run.progress, sample=sample, energy=energy, only=only))
         rec.options += part.options
     n = len(anchors)
     predicted = _every_rank(list(zip(rec.options[n:], parts[n:])), only)
@@ -216,6 +218,26 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
     if lookup is not None:
         rec.extra["lookup_damage"] = [round(lp, 6) for _, lp in by_option]
     return rec
+
+
+def _head_passes(run: MeasureRun, path: str, mod: nn.Module, stats: InputStats | None) -> list[list[QuantOption]]:
+    """An embedding or head tensor's options as the passes one process quantizes them in (as
+    :func:`_measure_head_tensor` measures them), for :func:`~mlx_dq.measure.run.share_options`."""
+    shape = tuple(int(d) for d in mod.weight.shape)
+    fitting = fitting_options(grid_options(run.grid_map, role_of(path), path), shape[-1])
+    n, spec = run.s.sample_rows, run.s.quantizer()
+    if stats is None:  # a lookup table: rounded, each option alone
+        return [[o] for o in fitting]
+    if not run.kl_scale:  # no damage function: sample_rows rows, as a decoder tensor
+        rows = n if len(shape) == 2 and stats.gram.ndim == 2 and 0 < n < shape[0] else shape[0]
+        return option_batches(fitting, (rows,) + shape[1:], spec)
+    anchors = head_anchors(fitting, shape[-1])
+    lookup = run.embed_lookup.get(path)
+    rows = HEAD_SAMPLE_FACTOR * n + (int(np.count_nonzero(lookup.token_counts)) if lookup is not None else 0)
+    if n <= 0 or len(fitting) <= len(anchors) or len(shape) != 2 or stats.gram.ndim != 2 or shape[0] <= rows:
+        return option_batches(fitting, shape, spec)  # every option end to end (:func:`_head_by_anchors` is None)
+    rest = [o for o in fitting if o not in anchors]
+    return option_batches(anchors, shape, spec) + option_batches(rest, (rows,) + shape[1:], spec)
 
 
 def _every_rank(pairs: list[tuple[OptionRecord, float]], only: set[str] | None) -> list[tuple[OptionRecord, float]]:

@@ -13,9 +13,10 @@ import mlx.nn as nn
 
 from mlx_dq.errors import InputError
 from mlx_dq.measure.records import Measurement
-from mlx_dq.measure.tensor import fitting_options
+from mlx_dq.measure.tensor import fitting_options, reference_option
 from mlx_dq.model.runner import LayerRunner
 from mlx_dq.names import role_of
+from mlx_dq.quant.dispatch import option_batches
 from mlx_dq.quant.options import QuantOption
 from mlx_dq.runtime import distributed as dist
 from mlx_dq.settings import MeasureSettings
@@ -68,9 +69,14 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def share_options(run: MeasureRun, mods: dict[str, nn.Module]) -> dict[tuple[str, str], int]:
-    """The rank that measures each (tensor, option) of ``mods``, balanced by cost; {} with one rank.
+def share_options(run: MeasureRun, mods: dict[str, nn.Module],
+                  passes: dict[str, list[list[QuantOption]]] | None = None) -> dict[tuple[str, str], int]:
+    """The rank that measures each (tensor, option) of ``mods``, in one process's option order, balanced by cost;
+    {} with one rank.
 
+    Each rank gets whole quantizer passes: ``passes`` gives a tensor's options as one process quantizes them
+    together (:func:`~mlx_dq.quant.dispatch.option_batches`), by default as in a decoder layer
+    (:func:`layer_passes`). Why: a pass split over ranks is made in full on each, its work done twice.
     The cost of an option is its seconds per weight measured on the earlier
     layers (every rank holds the same table) times the tensor's size; until each
     option has been timed once, a rough model (:func:`~mlx_dq.runtime.distributed.option_cost`).
@@ -78,13 +84,32 @@ def share_options(run: MeasureRun, mods: dict[str, nn.Module]) -> dict[tuple[str
     """
     if not dist.active():
         return {}
-    units = [(p, o) for p, mod in mods.items()
-             for o in fitting_options(grid_options(run.grid_map, role_of(p), p), int(mod.weight.shape[-1]))]
-    if all(o.desc in run.rates for _, o in units):
-        costs = [mods[p].weight.size * run.rates[o.desc][0] / run.rates[o.desc][1] for p, o in units]
+    fitting = {p: fitting_options(grid_options(run.grid_map, role_of(p), p), int(mod.weight.shape[-1]))
+               for p, mod in mods.items()}
+    units = [(p, batch) for p, mod in mods.items()
+             for batch in (passes[p] if passes is not None and p in passes else layer_passes(run, mod, fitting[p]))]
+    if all(o.desc in run.rates for _, batch in units for o in batch):
+        costs = [sum(mods[p].weight.size * run.rates[o.desc][0] / run.rates[o.desc][1] for o in batch)
+                 for p, batch in units]
     else:
-        costs = [dist.option_cost(tuple(mods[p].weight.shape), run.s.method, run.clip, o.keep16) for p, o in units]
-    return {(p, o.desc): r for (p, o), r in zip(units, dist.split_by_cost(costs))}
+        costs = [sum(dist.option_cost(tuple(mods[p].weight.shape), run.s.method, run.clip, o.keep16) for o in batch)
+                 for p, batch in units]
+    rank_of = {(p, o.desc): r for (p, batch), r in zip(units, dist.split_by_cost(costs)) for o in batch}
+    return {(p, o.desc): rank_of[(p, o.desc)] for p in mods for o in fitting[p]}
+
+
+def layer_passes(run: MeasureRun, mod: nn.Module, options: list[QuantOption]) -> list[list[QuantOption]]:
+    """A decoder tensor's fitting ``options`` as the passes one process quantizes them in
+    (:func:`~mlx_dq.measure.tensor.measure_tensor`): the reference option alone (kept: every row), then the others
+    batched on the rows they are measured on (``sample_rows`` of a 2-D weight)."""
+    shape = tuple(int(d) for d in mod.weight.shape)
+    ref = reference_option(options, shape[-1]).desc
+    n = run.s.sample_rows
+    rows = n if len(shape) == 2 and 0 < n < shape[0] else shape[0]
+    shared = len(shape) == 2 or run.s.expert_mode == "shared"  # one Gram for every expert of a bank
+    rest = [o for o in options if o.desc != ref]
+    return [[o] for o in options if o.desc == ref] + option_batches(rest, (rows,) + shape[1:], run.s.quantizer(),
+                                                                     shared=shared)
 
 
 def owned_options(owner: dict[tuple[str, str], int], path: str) -> set[str] | None:

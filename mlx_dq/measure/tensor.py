@@ -107,12 +107,14 @@ def measure_tensor(
     meter = ErrorMeter(w, gram, counts, row_weights, None if energy is None else
                        np.asarray(energy, dtype=np.float64)[slice(None) if rows_idx is None else np.asarray(rows_idx)])
     rec = TensorRecord(key, shape, role=role)
-    fitting = [o for o in fitting_options(options, shape[-1]) if how.only is None or o.desc in how.only]
+    every = fitting_options(options, shape[-1])
+    fitting = [o for o in every if how.only is None or o.desc in how.only]
     factors: dict = {}
     in_kept = [o for o in fitting if kept is not None and o.desc in kept]
     gram = _consumed(stats, meter, fitting, kept, factors, spec, energy) if how.consume_gram else gram
-    quantized = option_quantizer(w, [o for o in fitting if o not in in_kept], gram, spec,
-                                 factor_cache=factors)  # the converter's quantizer, options batched
+    # the converter's quantizer, options batched as in one process whatever this rank's share (the same rounding)
+    quantized = option_quantizer(w, [o for o in every if kept is None or o.desc not in kept], gram, spec,
+                                 factor_cache=factors, only={o.desc for o in fitting})
     for opt in tqdm(fitting, desc=key, unit="option", disable=not how.progress, leave=False):
         t_opt = time.perf_counter()
         damage = None

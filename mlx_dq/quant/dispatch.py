@@ -182,40 +182,69 @@ def join_rows(blocks: Sequence[QuantizedTensor]) -> QuantizedTensor:
     return out
 
 
+def option_batches(options: Sequence[QuantOption], shape: Sequence[int], spec: QuantizerSpec | None = None, *,
+                   shared: bool = True, batch_bytes: int = GPTQ_BATCH_BYTES) -> list[list[QuantOption]]:
+    """The passes :func:`option_quantizer` makes over ``options`` of a ``shape`` weight, in the order of their first
+    options: GPTQ options of one :func:`~mlx_dq.quant.gptq.batch_key` in order, up to ``batch_bytes`` of stacked
+    float32 weight copies a pass, and every other option alone. ``shared``: one Gram matrix for the whole weight.
+
+    Why a function of its own: ranks that share a tensor's options hand each other whole passes, and every rank
+    forms them from one process's list, since a pass's stacked matmuls round differently when it holds other options.
+    """
+    spec = QuantizerSpec() if spec is None else spec
+    in_f = int(shape[-1])
+    per_batch = max(1, batch_bytes // (3 * 4 * math.prod(int(d) for d in shape)))
+    passes: list[list[QuantOption]] = []
+    filling: dict[tuple, list[QuantOption]] = {}
+    for o in options:
+        if not _batchable(o, in_f, spec, shared):
+            passes.append([o])
+            continue
+        key = batch_key(o, in_f, spec)
+        if key not in filling or len(filling[key]) >= per_batch:
+            filling[key] = []
+            passes.append(filling[key])
+        filling[key].append(o)
+    return passes
+
+
+def _batchable(option: QuantOption, in_f: int, spec: QuantizerSpec, shared: bool) -> bool:
+    """Whether :func:`option_quantizer` quantizes ``option`` in a GPTQ pass (a batch of one, too)."""
+    return spec.method == "gptq" and shared and not option.keep16 and option.fits(in_f)
+
+
 def option_quantizer(
     w: mx.array, options: Sequence[QuantOption], gram: mx.array | None, spec: QuantizerSpec | None = None, *,
-    factor_cache: dict | None = None, batch_bytes: int = GPTQ_BATCH_BYTES,
+    factor_cache: dict | None = None, batch_bytes: int = GPTQ_BATCH_BYTES, only: set[str] | None = None,
 ) -> Callable[[QuantOption], tuple[QuantizedTensor, float]]:
     """A function giving :func:`quantize_tensor`'s result and seconds for each of ``options``, asked in their order.
 
     GPTQ options that share a channel order and group layout (:func:`~mlx_dq.quant.gptq.batch_key`)
     are quantized together in one pass over the columns, up to ``batch_bytes`` of stacked
-    float32 weight copies at a time: identical codes, scales and biases, much less
+    float32 weight copies at a time (:func:`option_batches`): identical codes, scales and biases, much less
     per-column overhead for small tensors. Each batch is made when its first option
-    is asked for; the seconds are the batch's, shared evenly.
+    is asked for; the seconds are the batch's, shared evenly. ``only`` (option descriptions): just those are asked
+    for (one rank's share); the passes are still those of all ``options``, so every result is one process's.
     """
     spec = QuantizerSpec() if spec is None else spec
-    options = list(options)
-    in_f = int(w.shape[-1])
     shared = gram is not None and (w.ndim == 2 or gram.ndim == 2)
-    keys = {o.desc: batch_key(o, in_f, spec) for o in options
-            if spec.method == "gptq" and shared and not o.keep16 and o.fits(in_f)}
-    per_batch = max(1, batch_bytes // (3 * 4 * math.prod(int(d) for d in w.shape)))
+    batches = option_batches(options, tuple(int(d) for d in w.shape), spec, shared=shared, batch_bytes=batch_bytes)
+    keyed = {o.desc: b for b in batches for o in b if _batchable(o, int(w.shape[-1]), spec, shared)}
     ready: dict[str, tuple[QuantizedTensor, float]] = {}
 
     def get(option: QuantOption) -> tuple[QuantizedTensor, float]:
         if option.desc in ready:
             return ready.pop(option.desc)
         t0 = time.perf_counter()
-        if option.desc not in keys:
+        if option.desc not in keyed:
             qt = quantize_tensor(w, option, gram, spec, factor_cache=factor_cache)
             return qt, time.perf_counter() - t0
-        at = next(i for i, o in enumerate(options) if o.desc == option.desc)
-        batch = [option] + [o for o in options[at + 1:] if keys.get(o.desc) == keys[option.desc]][: per_batch - 1]
+        batch = keyed[option.desc]
         qts = gptq_quantize_many(w, batch, gram, spec, factor_cache=factor_cache, error_stats=False)
         seconds = (time.perf_counter() - t0) / len(batch)
-        ready.update({o.desc: (q, seconds) for o, q in zip(batch[1:], qts[1:])})
-        return qts[0], seconds
+        ready.update({o.desc: (q, seconds) for o, q in zip(batch, qts)
+                      if o.desc != option.desc and (only is None or o.desc in only)})
+        return qts[[o.desc for o in batch].index(option.desc)], seconds
 
     return get
 
