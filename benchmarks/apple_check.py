@@ -45,10 +45,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlx_dq.layers import kernels
-from mlx_dq.layers.mixed import MixedEmbedding, MixedLinear
-from mlx_dq.quant.affine import quantize_weight
-from mlx_dq.quant.options import QuantOption
+from mlx_dq.layers import kernels  # noqa: E402 (after the sys.path line: runs from a checkout)
+from mlx_dq.layers.mixed import MixedEmbedding, MixedLinear  # noqa: E402
+from mlx_dq.quant.affine import quantize_weight  # noqa: E402
+from mlx_dq.quant.options import QuantOption  # noqa: E402
 
 MIXED = "0.5:5b_64g/0.5:3b_64g"  # 4.5 bits per weight, as UNIFORM (plus a uint16 permutation per input channel)
 UNIFORM = "1.0:4b_64g"
@@ -229,9 +229,10 @@ def _timing_row(name: str, r: dict, metal: bool) -> str:
 # ----------------------------------------------------------------------------- 3. generate
 
 GEN_CHILD = r"""
-import json, os, resource, statistics, sys, time
+import gc, json, os, resource, statistics, sys, time
 from pathlib import Path
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 folder, prompt, max_tokens, repeats = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 SCALE = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
 def rss(key):
@@ -247,11 +248,15 @@ load(folder)  # once, untimed and uncounted: imports and first-use allocations a
 tok = load_tokenizer(folder)
 mx.clear_cache()
 base = rss("VmRSS:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * SCALE
-try:
-    open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM: the peak from here on
-    reset = True
-except OSError:
-    reset = False
+def clear_hwm():
+    try:
+        open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM: the peak from here on
+        return True
+    except OSError:
+        return False
+def hwm():
+    return rss("VmHWM:") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * SCALE
+reset = clear_hwm()
 mx.reset_peak_memory()
 active0 = mx.get_active_memory()
 t = time.perf_counter()
@@ -261,19 +266,28 @@ load_s = time.perf_counter() - t
 held_load = mx.get_active_memory() - active0
 note = memory_note(model)
 text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-runs = []
+runs, first = [], {}
 for i in range(repeats + 1):  # the first run warms up (and builds the CPU cache when it is on)
+    cache = make_prompt_cache(model)  # passed in so that its bytes can be told apart from the model's
     last = None
-    for last in mlx_lm.stream_generate(model, tok, text, max_tokens=max_tokens):
+    for last in mlx_lm.stream_generate(model, tok, text, max_tokens=max_tokens, prompt_cache=cache):
         pass
+    kv = sum(c.nbytes for c in cache)
+    del cache
     if i:
         runs.append((last.generation_tps, last.prompt_tps, last.generation_tokens, last.prompt_tokens))
+        continue
+    # peaks of loading + the first generation, then of the timed ones alone (the cache, when on, is built by now)
+    first = {"mlx_peak_first": mx.get_peak_memory() - active0, "peak_rss_first": hwm()}
+    mx.reset_peak_memory()
+    reset = reset and clear_hwm()
+mx.synchronize()
+gc.collect()
 held_gen = mx.get_active_memory() - active0
-peak = rss("VmHWM:") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * SCALE
 print("RESULT " + json.dumps({"load_s": load_s, "runs": runs, "tps": statistics.median(r[0] for r in runs),
       "prompt_tps": statistics.median(r[1] for r in runs), "tokens": runs[0][2], "prompt_tokens": runs[0][3],
-      "held_load": held_load, "held_gen": held_gen, "mlx_peak": mx.get_peak_memory() - active0,
-      "base_rss": base, "peak_rss": peak, "hwm_reset": reset, "note": note}))
+      "held_load": held_load, "held_gen": held_gen, "mlx_peak": mx.get_peak_memory() - active0, "kv_bytes": kv,
+      "base_rss": base, "peak_rss": hwm(), "hwm_reset": reset, "note": note, **first}))
 """
 
 UNIFORM_CHILD = r"""
@@ -304,7 +318,7 @@ def ensure_models(args: argparse.Namespace) -> tuple[Path, Path]:
         print(f"building {mixed} (the README's command)", flush=True)
         subprocess.run([sys.executable, "-m", "mlx_dq", "convert", "--model", "smollm2-135m", "--bpw", "3.5",
                         "-o", str(mixed)], check=True, env=env)
-    if not (uniform / "config.json").exists():
+    if not (uniform / "config.json").exists() and not args.skip_uniform:
         print(f"building {uniform} (mlx-lm 4-bit g64 of the same float16 source)", flush=True)
         subprocess.run([sys.executable, "-c", UNIFORM_CHILD, str(uniform)], check=True, env=env)
     return mixed, uniform
@@ -330,40 +344,56 @@ def generate_once(folder: Path, cache: bool | None, args: argparse.Namespace) ->
 
 
 def part_generate(report: list[str], args: argparse.Namespace) -> None:
-    """Part 3: tok/s and memory of the mixed model and uniform 4-bit."""
+    """Part 3: tok/s and memory of the mixed model (on the CPU: cache on and off) and uniform 4-bit."""
     mixed, uniform = ensure_models(args)
     runs = [("mixed 3.5 bpw", mixed, None), ("uniform 4-bit g64", uniform, None)]
     if kernels.backend() == "cpu":
         runs = [("mixed 3.5 bpw, CPU cache on", mixed, True), ("mixed 3.5 bpw, CPU cache off", mixed, False),
                 ("uniform 4-bit g64 (stock layers)", uniform, None)]
+    if args.skip_uniform:
+        runs = [r for r in runs if r[1] != uniform]
     report.append("## 3. Generate\n")
     report.append(f"`mlx_dq.load`'s model + `mlx_lm.stream_generate`, chat-templated prompt {PROMPT!r}, "
                   f"{args.max_tokens} tokens, greedy; tok/s: median of {args.gen_repeats} runs after one warm-up run, "
-                  "one process per row. Held: MLX arrays the loaded model keeps (after loading; after every run: the "
-                  "CPU cache included). MLX peak: arrays at the peak of the runs (weights, KV cache, activations). "
-                  "RSS: the process's peak RSS over loading and every run (VmHWM, reset after imports and the "
-                  "tokenizer; ru_maxrss, not resettable, on macOS) minus its RSS before loading, which follows one "
-                  "untimed load of the same folder (imports, first-use allocations; memory it freed may be reused, "
-                  "so this can read low: MLX peak is the firmer figure). "
-                  f"Models: `{mixed}`, `{uniform}`.\n")
-    report.append("| model | weights file MiB | decode tok/s | prompt tok/s | held after load MiB | "
-                  "held after runs MiB | of file | MLX peak MiB | RSS above load MiB | of file |")
-    report.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                  "one process per row; (x) = of the weights file. Held: MLX arrays the loaded model keeps (after "
+                  "loading; after every run, the KV cache dropped: the CPU cache included). MLX peak: arrays at the "
+                  "peak (weights, KV cache, activations, transients), over loading + the warm-up run (which builds "
+                  "the CPU cache when it is on), and over the timed runs alone. KV cache: mlx-lm's prompt cache at the "
+                  "end of a run (float32 on the CPU, allocated 256 positions at a time); peak - KV: the timed runs' "
+                  "peak without it, i.e. what the model itself takes. RSS: the process's peak RSS over loading + the "
+                  "warm-up run and over the timed runs (VmHWM, reset before each span; ru_maxrss over everything, "
+                  "not resettable, on macOS) minus "
+                  "its RSS before loading, which follows one untimed load of the same folder (imports, first-use "
+                  "allocations; memory it freed may be reused, so this can read low: MLX peak is the firmer figure). "
+                  f"Models: `{mixed}`" + ("" if args.skip_uniform else f", `{uniform}`") + ".\n")
+    report.append("| model | weights file MiB | decode tok/s | prompt tok/s | held after load MiB | held after runs "
+                  "MiB (x) | MLX peak, load + warm-up MiB (x) | MLX peak, timed runs MiB (x) | KV cache MiB | "
+                  "timed peak - KV MiB (x) | RSS above load, load + warm-up MiB (x) | RSS above load, timed runs "
+                  "MiB (x) |")
+    report.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     notes = []
     for label, folder, cache in runs:
         r = generate_once(folder, cache, args)
-        if "timeout" in r:
-            report.append(f"| {label} | did not finish in {r['timeout']} s | | | | | | | | |")
-            print(report[-1], flush=True)
-            continue
-        mib, held, f = 1 << 20, r["peak_rss"] - r["base_rss"], r["file_bytes"]
-        report.append(f"| {label} | {f / mib:.1f} | {r['tps']:.1f} | {r['prompt_tps']:.1f} | "
-                      f"{r['held_load'] / mib:.1f} | {r['held_gen'] / mib:.1f} | {r['held_gen'] / f:.2f}x | "
-                      f"{r['mlx_peak'] / mib:.1f} | {held / mib:.1f} | {held / f:.2f}x |")
+        report.append(generate_row(label, r))
         print(report[-1], flush=True)
-        if r["note"]:
+        if r.get("note"):
             notes.append(f"- {label}: `{r['note']}`")
     report += [""] + notes + [""]
+
+
+def generate_row(label: str, r: dict) -> str:
+    """One row of part 3's table from :func:`generate_once`'s figures (sizes in MiB, with their ratio to the file)."""
+    if "timeout" in r:
+        return f"| {label} | did not finish in {r['timeout']} s | | | | | | | | | | |"
+    f = r["file_bytes"]
+
+    def cell(n: float) -> str:
+        return f"{n / (1 << 20):.1f} ({n / f:.2f}x)"
+
+    return (f"| {label} | {f / (1 << 20):.1f} | {r['tps']:.1f} | {r['prompt_tps']:.1f} | "
+            f"{r['held_load'] / (1 << 20):.1f} | {cell(r['held_gen'])} | {cell(r['mlx_peak_first'])} | "
+            f"{cell(r['mlx_peak'])} | {r['kv_bytes'] / (1 << 20):.1f} | {cell(r['mlx_peak'] - r['kv_bytes'])} | "
+            f"{cell(r['peak_rss_first'] - r['base_rss'])} | {cell(r['peak_rss'] - r['base_rss'])} |")
 
 
 # ----------------------------------------------------------------------------- 4. scale
@@ -454,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument("--mixed-model", default=None, help="the README's 3.5 bpw output (built when absent)")
     ap.add_argument("--uniform-model", default=None, help="a uniform 4-bit conversion (built when absent)")
+    ap.add_argument("--skip-uniform", action="store_true",
+                    help="part 3 without the uniform model (MLX's CPU quantized matmul: minutes per run on a CPU)")
     ap.add_argument("--work", default=str(Path.home() / ".cache" / "mlx_dq" / "apple_check"))
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args(argv)

@@ -428,6 +428,92 @@ def test_cpu_cache_off_peak_memory_stays_below_the_float_weight(monkeypatch):
     assert peaks[False] < fp32 / 4, peaks
 
 
+class _TinyMixedModel(nn.Module):
+    """Embedding, two mixed MLP blocks and the tied head: the shape of a decoder's forward, small."""
+
+    def __init__(self, vocab: int = 600, dims: int = 128, hidden: int = 192):
+        super().__init__()
+        self.embed = MixedEmbedding.from_quantized(_quantized((vocab, dims), "0.25:4b_64g/0.75:3b_64g", seed=70))
+        self.blocks = [(MixedLinear.from_quantized(_quantized((hidden, dims), "0.1:4b_32g/0.9:3b_32g", seed=71 + i)),
+                        MixedLinear.from_quantized(_quantized((dims, hidden), "0.5:3b_64g/0.5:2b_64g", seed=73 + i),
+                                                   bias=mx.arange(dims) / dims))
+                       for i in range(2)]
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        h = self.embed(ids)
+        for up, down in self.blocks:
+            h = h + down(nn.silu(up(h)))
+        return self.embed.as_linear(h)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_cpu_cache_off_forward_matches_cached_forward(monkeypatch, rows):
+    """A tiny mixed model's lazy forward with the cache off equals the cached one within float32 rounding, and
+    does not depend on the block size (decode: bit for bit, the same quantized matmuls on fewer rows each)."""
+    model = _TinyMixedModel()
+    ids = mx.random.randint(0, 600, (1, rows), key=mx.random.key(rows))
+    out = {}
+    for cache, chunk in [(True, None), (False, None), (False, 1 << 10)]:
+        if chunk:
+            monkeypatch.setattr(kernels, "CPU_CHUNK_BYTES", chunk)  # every weight in several blocks (head: 10+)
+        kernels.set_cpu_cache(cache)
+        try:
+            out[cache, chunk] = np.array(model(ids))
+        finally:
+            kernels.set_cpu_cache(None)
+    assert _rel(out[False, None], out[True, None]) < 1e-5
+    if rows <= kernels.CPU_QMM_MAX_ROWS:
+        np.testing.assert_array_equal(out[False, 1 << 10], out[False, None])
+    else:
+        np.testing.assert_allclose(out[False, 1 << 10], out[False, None], rtol=1e-5, atol=1e-6)
+    assert all(m._cache.weight is None for m in [model.embed] + [m for b in model.blocks for m in b])  # dropped
+
+
+def test_cpu_cache_off_decode_equals_the_whole_weight_quantized_matmul(monkeypatch):
+    """Decode in row blocks gives exactly what one quantized matmul per segment on the whole weight gives."""
+    monkeypatch.setattr(kernels, "CPU_CHUNK_BYTES", 2 << 10)
+    qt = _quantized((200, 256), "0.25:6b_32g/0.5:4b_64g/0.25:2b_32g", seed=75)
+    layer = MixedLinear.from_quantized(qt)
+    x = mx.random.normal((2, 256), key=mx.random.key(76))
+    whole = kernels.segmented_quantized_matmul(x, layer["perm"], layer.parts, layer.seg_bits, layer.seg_group_sizes)
+    blocked = kernels.streamed_matmul(x, layer["perm"], layer.parts, layer.seg_bits, layer.seg_group_sizes)
+    np.testing.assert_array_equal(np.array(blocked), np.array(whole))
+
+
+def test_cpu_cache_off_decode_peak_stays_below_the_heads_float_scales(monkeypatch):
+    """A lazy decode step through layers and a 32768-row tied head: its scales and biases widened to float32 whole
+    (what one quantized matmul per segment does: 2 MiB here) were the step's peak; in blocks it is a fraction."""
+    monkeypatch.setattr(kernels, "CPU_CHUNK_BYTES", 32 << 10)
+    w = mx.random.normal((32768, 512), key=mx.random.key(77)) * 0.02
+    head = MixedEmbedding.from_quantized(quantize_weight(w, QuantOption.parse("0.25:4b_64g/0.75:3b_64g"), clip=False))
+    del w
+    layers = [MixedLinear.from_quantized(_quantized((512, 512), "0.5:4b_64g/0.5:3b_64g", seed=78 + i))
+              for i in range(4)]
+    x = mx.random.normal((1, 1, 512), key=mx.random.key(82))
+    mx.eval(head.parameters(), [m.parameters() for m in layers], x)
+    widened = 32768 * (512 // 64) * 2 * 4
+
+    def peak(head_matmul) -> int:
+        h = x
+        for m in layers:
+            h = m(h)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(head_matmul(h))
+        return mx.get_peak_memory() - base
+
+    kernels.set_cpu_cache(False)
+    try:
+        whole = peak(lambda h: kernels.segmented_quantized_matmul(h.astype(mx.float32), head["perm"], head.parts,
+                                                                  head.seg_bits, head.seg_group_sizes))
+        blocked = peak(head.as_linear)
+    finally:
+        kernels.set_cpu_cache(None)
+    assert whole >= widened
+    assert blocked < widened / 3, (blocked, widened)
+
+
 def test_gpu_backends_use_segment_matmuls_and_no_cache(monkeypatch):
     """A non-Metal GPU (MLX's CUDA build) runs per-segment quantized matmuls for every row count, never the
     float32 cache nor the Metal kernel; Metal keeps the fused decode kernel (run here on MLX's CPU ops)."""

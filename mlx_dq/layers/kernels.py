@@ -22,10 +22,14 @@ affine-quantized block with its own bits and group size. Paths, chosen by
   packed weight is kept. Up to ``CPU_QMM_MAX_ROWS`` rows (decode) go through the
   per-segment quantized matmuls (memory-bound: as fast as the cached path at 8B shapes,
   2-50x slower on SmolLM2's small layers); more rows (prefill) read x through the
-  permutation and dequantize the weight
-  ``CPU_CHUNK_BYTES`` of float32 at a time, one block of output rows after another,
-  so the transient float32 is one block, not the weight
-  (benchmarks/results/apple_silicon.md has the figures).
+  permutation and dequantize the weight. Both take the weight one block of output rows
+  after another, ``CPU_CHUNK_BYTES`` of float32 per block (the dequantized rows, or
+  the rows' scales and biases widened to float32 for the quantized matmul), so the
+  transient float32 is a few blocks, not the weight: MLX's CPU backend allocates an
+  op's output when it dispatches the op, up to about a hundred ops ahead of the
+  computation, so the size of each block is what bounds it (SmolLM2's tied head with its
+  scales widened whole took 3.6 MiB per decoded token, 2 MiB blocks 12 MiB over a
+  prefill: benchmarks/results/apple_silicon.md has the figures).
 
 What is and is not verified on a machine without Apple silicon:
 
@@ -79,7 +83,9 @@ DECODE_MAX_ROWS = 8  # rows of x up to which the fused kernel runs (its acc[] si
 # CPU without the cache: rows of x up to which the per-segment quantized matmuls run; beyond, blocks are
 # dequantized (MLX's CPU quantized matmul costs about one dequantization per 4 rows at SmolLM2 shapes)
 CPU_QMM_MAX_ROWS = 4
-CPU_CHUNK_BYTES = 2 << 20  # float32 bytes of one dequantized block of output rows (CPU, cache off)
+# float32 bytes of one block of output rows (CPU, cache off): the peak over a forward grows with it (several
+# blocks are allocated ahead of the computation); prefill slows below it (more, smaller matmuls)
+CPU_CHUNK_BYTES = 512 << 10
 CPU_CACHE_ENV = "MLX_DQ_CPU_CACHE"
 MAX_SEGMENTS = 6  # one segment per distinct bit width in {8,6,5,4,3,2}
 SIMD_WIDTH = 32
@@ -336,7 +342,8 @@ def segmented_quantized_matmul(
 ) -> mx.array:
     """``x @ W^T`` as a sum of MLX quantized matmuls, one per segment.
 
-    Metal prefill, other GPU backends, and CPU decode without the float32 cache.
+    Metal prefill and other GPU backends (the CPU without the float32 cache runs them per block of rows:
+    :func:`streamed_matmul`).
     """
     return _sum_over_segments(x, perm, parts, bits, group_sizes, lambda xs, w, s, b, g, nb: mx.quantized_matmul(
         xs, w, s, b, transpose=True, group_size=g, bits=nb))
@@ -384,33 +391,62 @@ def streamed_matmul(
 ) -> mx.array:
     """``x @ W^T`` on the CPU without keeping a float32 weight, computed in float32, returned in x's dtype.
 
-    Few rows: per-segment quantized matmuls. More: x is read through the permutation
-    once and each block of output rows is dequantized segment by segment
-    (``CPU_CHUNK_BYTES`` of float32 at most) and multiplied, so no float32 copy of the
-    whole weight exists at any time, and none is kept after the call.
+    Few rows: per-segment quantized matmuls. More: each block of output rows is
+    dequantized segment by segment and multiplied. Either way the weight is taken one
+    block of output rows after another, ``CPU_CHUNK_BYTES`` of float32 per block (the
+    dequantized rows, or the rows' scales and biases widened to float32), so no float32
+    copy of the weight, nor of all its scales, exists at any time, and none is kept.
     """
     x32 = x.astype(mx.float32)
-    rows = x.size // x.shape[-1]
-    if rows <= CPU_QMM_MAX_ROWS:
-        return segmented_quantized_matmul(x32, perm, parts, bits, group_sizes).astype(x.dtype)
     xp = x32 if perm is None else mx.take(x32, perm.astype(mx.uint32), axis=-1)
-    n, k = int(parts[0][0].shape[-2]), int(x.shape[-1])
-    block = max(1, CPU_CHUNK_BYTES // (4 * k))
+    if x.size // x.shape[-1] <= CPU_QMM_MAX_ROWS:
+        groups = sum(int(s.shape[-1]) for _, s, _ in parts)
+        out = _by_row_blocks(xp, parts, bits, group_sizes, max(1, CPU_CHUNK_BYTES // (8 * groups)), _qmm_block)
+    else:
+        out = _by_row_blocks(xp, parts, bits, group_sizes, max(1, CPU_CHUNK_BYTES // (4 * int(x.shape[-1]))),
+                             _dequantized_block)
+    return out.astype(x.dtype)
+
+
+def _qmm_block(xs: mx.array, w: mx.array, s: mx.array, b: mx.array, g: int, nb: int) -> mx.array:
+    """One block of one segment through MLX's quantized matmul (scales widened here, after the block's wait)."""
+    return mx.quantized_matmul(xs, w, s.astype(mx.float32), b.astype(mx.float32), transpose=True, group_size=g,
+                               bits=nb)
+
+
+def _dequantized_block(xs: mx.array, w: mx.array, s: mx.array, b: mx.array, g: int, nb: int) -> mx.array:
+    """One block of one segment dequantized in float32 (scale*q + bias in fp32) and multiplied."""
+    return xs @ mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=g, bits=nb).T
+
+
+def _by_row_blocks(
+    xp: mx.array,
+    parts: Sequence[tuple[mx.array, mx.array, mx.array]],
+    bits: Sequence[int],
+    group_sizes: Sequence[int],
+    block: int,
+    product: Callable[..., mx.array],
+) -> mx.array:
+    """``xp @ W^T`` (xp already in stored column order) as ``product`` over blocks of ``block`` output rows.
+
+    Each block waits (``mx.depends``) for the previous block's result, the first for
+    xp, so that MLX's graph order takes the blocks one after another, after x: a block's
+    float32 (dequantized rows, or widened scales and biases) needs only the weights,
+    and nothing else would keep the blocks of a lazy forward from being made together.
+    """
+    n = int(parts[0][0].shape[-2])
     outs: list[mx.array] = []
     for a in range(0, n, block):
+        after = outs[-1] if outs else xp
         y, start = None, 0
         for (w, s, b), nb, g in zip(parts, bits, group_sizes):
             width = int(s.shape[-1]) * int(g)
-            ws, ss, bs = w[a : a + block], s[a : a + block], b[a : a + block]
-            if outs:  # MLX would otherwise dequantize every block before the first matmul: the whole weight
-                ws, ss, bs = mx.depends([ws, ss, bs], [outs[-1]])
-            wd = mx.dequantize(ws, ss.astype(mx.float32), bs.astype(mx.float32), group_size=g, bits=nb)
-            part = xp[..., start : start + width] @ wd.T
+            ws, ss, bs = mx.depends([w[a : a + block], s[a : a + block], b[a : a + block]], [after])
+            part = product(xp[..., start : start + width], ws, ss, bs, g, nb)
             y = part if y is None else y + part
             start += width
         outs.append(y)
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
-    return out.astype(x.dtype)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
 def dequantize_parts(
