@@ -9,11 +9,12 @@ import click
 import mlx.core as mx
 
 from mlx_dq.cli.group import CONTEXT
+from mlx_dq.data.eval_texts import EVAL_TEXTS
 from mlx_dq.errors import InputError, MlxDqError
 
 _EVALUATION_ROWS = (
     click.option("--text", "text_path", type=click.Path(), default=None,
-                 help="Evaluation text: a name (pydoc, shakespeare, dialog) or a .txt/.jsonl file or folder "
+                 help=f"Evaluation text: a name ({', '.join(EVAL_TEXTS)}) or a .txt/.jsonl file or folder "
                       "[default: pydoc]."),
     click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Number of token rows."),
     click.option("--seq-len", default=512, show_default=True, type=click.IntRange(min=2), help="Tokens per row."),

