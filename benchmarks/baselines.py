@@ -4,7 +4,8 @@ Every variant is made with mlx-lm's code, nothing re-implemented: uniform affine
 (``mlx_lm.utils.quantize_model``), the ``mixed_*`` recipes (``mlx_lm.convert.mixed_quant_predicate_builder``),
 its calibrated quantizers GPTQ (``mlx_lm.quant.gptq.gptq_quantize``) and AWQ
 (``mlx_lm.quant.awq.awq_quantize``), given our calibration rows directly (their command lines
-download a calibration text), and ``dynamic_quant`` (``mlx_lm.quant.dynamic_quant``: gradient sensitivities, then a threshold
+download a calibration text), its distillation DWQ (``mlx_lm.quant.dwq.dwq_quantize``, likewise given our rows;
+:func:`dwq`), and ``dynamic_quant`` (``mlx_lm.quant.dynamic_quant``: gradient sensitivities, then a threshold
 between two precision levels found by binary search on the bits per weight).
 
 As in an mlx-lm checkpoint, the model is cast to 16-bit before quantizing, so scales and biases
@@ -22,6 +23,7 @@ import contextlib
 import copy
 import heapq
 import io
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -47,6 +49,9 @@ DYNAMIC_TARGET = 5.0
 GPTQ_DEFAULTS = {"bits": 4, "group_size": 64, "fallback_bits": 6, "fallback_group_size": 64}
 # mlx_lm.awq's command-line defaults: 4-bit g64 blocks, embedding (and head) 4-bit g32, 20-point grids
 AWQ_DEFAULTS = {"bits": 4, "group_size": 64, "embed_bits": 4, "embed_group_size": 32, "n_grid": 20}
+# mlx_lm.dwq's command-line defaults (Adam, constant learning rate; its data: 2,048 samples x 1,025 tokens,
+# batch 4, one pass = 512 steps) and dwq_quantize's default temperature
+DWQ_DEFAULTS = {"bits": 4, "group_size": 64, "lr": 1e-6, "batch_size": 4, "temperature": 2.0, "seed": 123}
 
 
 @dataclass
@@ -272,6 +277,127 @@ def awq(
         qconfig = update_config(q, copy.deepcopy(config))
     return _to_16_bit(q, dtype), qconfig
 
+
+@contextlib.contextmanager
+def dequantized_matmuls() -> Iterator[None]:
+    """While inside, quantized layers multiply through their dequantized weights instead of ``mx.quantized_matmul``.
+
+    ``nn.QuantizedLinear.__call__`` and ``nn.QuantizedEmbedding.as_linear`` (a tied head) become
+    ``x @ mx.dequantize(w, scales, biases).T`` (+ bias): the same function of the scales and biases, with the same
+    gradients, but far faster on MLX's CPU backend. Non-affine modes keep MLX's own path. Restored on exit.
+    """
+    linear_call, embedding_as_linear = nn.QuantizedLinear.__call__, nn.QuantizedEmbedding.as_linear
+
+    def weight(m: nn.Module) -> mx.array:
+        return mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size, bits=m.bits,
+                             mode=m.mode)
+
+    def call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
+        if self.mode != "affine":
+            return linear_call(self, x)
+        y = x @ weight(self).T
+        return y + self["bias"] if "bias" in self else y
+
+    def as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
+        return embedding_as_linear(self, x) if self.mode != "affine" else x @ weight(self).T
+
+    nn.QuantizedLinear.__call__, nn.QuantizedEmbedding.as_linear = call, as_linear
+    try:
+        yield
+    finally:
+        nn.QuantizedLinear.__call__, nn.QuantizedEmbedding.as_linear = linear_call, embedding_as_linear
+
+
+def _quantized_arrays(model: nn.Module) -> dict[str, mx.array]:
+    """Codes, scales and biases of every affine quantized layer, by parameter name."""
+    return {f"{p}.{k}": m[k] for p, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.mode == "affine"
+            for k in ("weight", "scales", "biases")}
+
+
+def dwq(
+    model: nn.Module,
+    config: dict,
+    rows: mx.array,
+    *,
+    steps: int | None = None,
+    lr: float = DWQ_DEFAULTS["lr"],
+    relative_lr: float | None = None,
+    bits: int = DWQ_DEFAULTS["bits"],
+    group_size: int = DWQ_DEFAULTS["group_size"],
+    batch_size: int = 1,
+    temperature: float = DWQ_DEFAULTS["temperature"],
+    seed: int = DWQ_DEFAULTS["seed"],
+    valid_rows: mx.array | None = None,
+    dtype: mx.Dtype = mx.float16,
+) -> tuple[nn.Module, dict, dict]:
+    """mlx-lm's DWQ (``mlx_lm.quant.dwq.dwq_quantize``): the uniform ``bits``/``group_size`` model's scales and biases
+    distilled against ``model``'s logits on token ``rows``.
+
+    Starts from :func:`uniform` (the ``mlx-lm {bits}-bit g{group_size}`` row's model, 16-bit scales and biases),
+    cast to float32, and runs mlx-lm's own ``dwq_quantize`` with dtype float32, ``model`` (the float32 source) as
+    teacher (its full logits for each batch, as ``mlx_lm.dwq`` computes them without a target directory) and Adam
+    with a constant learning rate and bias correction, as ``mlx_lm.dwq``'s ``main`` builds it. What DWQ trains is
+    its own choice: the scales and biases of every affine layer under 8 bits, and every parameter it does not find
+    frozen (the norm weights). DWQ makes one pass over its data, ``batch_size`` rows a step (rows of length L give
+    L - 1 inputs and L - 1 scored positions); ``steps`` None: ``len(rows) // batch_size`` steps, else the rows are
+    repeated in order up to ``steps * batch_size`` (DWQ shuffles the batches). ``relative_lr``: use
+    ``relative_lr * median |scale|`` of the starting model as the (absolute) learning rate instead of ``lr``.
+    ``valid_rows`` (None: ``rows``) are what DWQ reports its validation loss on, before and after; they change
+    nothing. Quantized matmuls run through dequantized weights (:func:`dequantized_matmuls`). Scales, biases and
+    norms are then stored in ``dtype``, as a 16-bit checkpoint would hold them.
+
+    Returns the model, its config and a record: settings, steps, tokens, DWQ's validation losses, seconds, and the
+    share of stored scales and biases the distillation changed.
+    """
+    from mlx.optimizers import Adam
+    from mlx_lm.quant.dwq import dwq_quantize
+
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.shape[1] < 3:
+        raise ValueError(f"rows must be [n, L] tokens with L >= 3, got shape {rows.shape}")
+    if not 1 <= batch_size <= rows.shape[0]:
+        raise ValueError(f"batch_size must be between 1 and the number of rows ({rows.shape[0]}), got {batch_size}")
+    n_steps = rows.shape[0] // batch_size if steps is None else steps
+    if n_steps < 1:
+        raise ValueError(f"need steps >= 1, got {steps}")
+    t0 = time.perf_counter()
+    q, qconfig = uniform(model, config, bits, group_size, dtype=dtype)
+    start = _quantized_arrays(q)
+    _to_16_bit(q, mx.float32)
+    if relative_lr is not None:
+        scales = np.concatenate([np.abs(np.asarray(v.astype(mx.float32))).ravel()
+                                 for k, v in start.items() if k.endswith(".scales")])
+        lr = relative_lr * float(np.median(scales))
+    order = [rows[i % rows.shape[0]].tolist() for i in range(n_steps * batch_size)]
+    train = [(r, 0) for r in order]  # (tokens, offset): the items mlx-lm's iterate_batches takes
+    valid = train if valid_rows is None else [(r, 0) for r in np.asarray(valid_rows).tolist()]
+
+    def target_fn(batch: mx.array, idx: int, split: str) -> mx.array:
+        return model(batch)
+
+    log = io.StringIO()
+    np_state = np.random.get_state()  # iterate_batches seeds numpy's global generator
+    try:
+        with dequantized_matmuls(), contextlib.redirect_stdout(log), contextlib.redirect_stderr(io.StringIO()):
+            dwq_quantize(q, target_fn, Adam(learning_rate=lr, bias_correction=True), train, valid,
+                         batch_size=batch_size, max_seq_length=rows.shape[1], seed=seed, dtype=mx.float32,
+                         gradient_checkpoint=False, temperature=temperature)
+    finally:
+        np.random.set_state(np_state)
+    q.eval()
+    _to_16_bit(q, dtype)
+    after = _quantized_arrays(q)
+    changed = {kind: float(np.mean(np.concatenate([np.asarray(after[k] != start[k]).ravel()
+                                                   for k in start if k.endswith("." + kind)])))
+               for kind in ("scales", "biases")}
+    losses = [float(v) for v in re.findall(r"Validation: it=\d+, loss=([-\d.e+]+)", log.getvalue())]
+    record = {"bits": bits, "group_size": group_size, "rows": int(rows.shape[0]), "seq_len": int(rows.shape[1]),
+              "steps": n_steps, "batch_size": batch_size, "tokens": n_steps * batch_size * (int(rows.shape[1]) - 1),
+              "lr": lr, "relative_lr": relative_lr, "temperature": temperature, "seed": seed,
+              "valid_rows": len(valid), "valid_loss": losses, "changed": changed,
+              "seconds": time.perf_counter() - t0}
+    return q, qconfig, record
 
 # --------------------------------------------------------------------------- planning baselines
 def greedy_single_pass(measurement: Measurement, target_bpw: float, **kw: Any) -> Plan:

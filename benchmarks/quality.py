@@ -15,7 +15,8 @@ is evaluated through dequantized float32 weights.
 
 Rows: mlx-lm uniform quantization at every bits x group pair, mlx-lm's mixed_3_4 / mixed_3_6 /
 mixed_4_6 recipes, mlx-lm's calibrated GPTQ and AWQ at 4 bits (their defaults, and with the embedding
-at 4-bit g64 too) on mlx-dq's calibration text, mlx-lm's dynamic_quant (its sensitivity estimate and threshold search, run on
+at 4-bit g64 too) on mlx-dq's calibration text, mlx-lm's DWQ (its dwq_quantize from the 4-bit g64 model, on
+mlx-dq's ``--distill`` rows and steps), mlx-lm's dynamic_quant (its sensitivity estimate and threshold search, run on
 our calibration rows), and mlx-dq (measure -> optimize -> convert) at several bpw targets, with
 mixed-proportion tensors allowed and with ``--mlx-lm-compatible``. Writes quality.csv, quality.md
 and quality.png into ``--out``, one table and one goal check per text; the mlx-dq measurement and dynamic_quant sensitivities are cached
@@ -74,8 +75,10 @@ DEFAULT_TEXTS = ("pydoc", "shakespeare", "dialog")
 # the issue's goals, per text: (mlx-dq target, mlx-lm rows it must match or beat, what they are)
 # (the 4-bit methods' own defaults can keep a large embedding at 6 bits: Gemma-3-270M's GPTQ is then 5.75 bpw, out of range)
 GOALS = ((3.5, ("mlx-lm 4-bit g64",), "mlx-lm 4-bit g64 (4.5 bpw)", math.inf),
-         (4.0, ("mlx-lm GPTQ", "mlx-lm AWQ"), "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ, at most 5 bpw)", 5.0))
+         (4.0, ("mlx-lm GPTQ", "mlx-lm AWQ", "mlx-lm DWQ"),
+          "mlx-lm's best 4-bit calibrated method (GPTQ, AWQ or DWQ, at most 5 bpw)", 5.0))
 LM_CALIB = (32, 512)  # rows x tokens for mlx-lm's GPTQ and AWQ: what mlx-dq's converter calibrates on
+DWQ_VALID_ROWS = 4  # of its training rows, for DWQ's validation loss (a report only: it changes nothing)
 RTN_TARGETS = (3.0, 4.0)  # mlx-dq without error compensation (measured with rounding, converted with rounding + clip)
 DISTILL_FAMILY = "mlx-dq + distill"  # the mixed-proportion model, distilled against the source (convert --distill)
 
@@ -243,7 +246,7 @@ def _goal_cells(g: dict) -> tuple[dict | None, dict | None, str, str]:
 def goal_lines(rows: list[dict]) -> list[str]:
     """Markdown lines: the issue's goals on one text (mlx-dq at 3.5 vs mlx-lm 4-bit g64; at 4.0 vs GPTQ/AWQ)."""
     lines = ["", "Goals: mlx-dq at 3.5 bpw has KL <= mlx-lm 4-bit g64 (4.5 bpw); mlx-dq at 4.0 bpw has KL <= "
-             "mlx-lm's best 4-bit calibrated method (GPTQ or AWQ, at most 5 bpw).", "",
+             "mlx-lm's best 4-bit calibrated method (GPTQ, AWQ or DWQ, at most 5 bpw).", "",
              "| goal | mlx-dq row | bpw | KL | mlx-lm row | bpw | KL | ratio | met |", "|---|---|---:|---:|---|---:|---:|---:|---|"]
     for g in goal_status(rows):
         dq, lm, ratio, met = _goal_cells(g)
@@ -349,6 +352,7 @@ def write_plot(path: Path, rows: list[dict], texts: list[str], title: str) -> No
         "mlx-lm dynamic_quant": ("tab:orange", "D", ""),
         "mlx-lm GPTQ": ("tab:olive", "v", ""),
         "mlx-lm AWQ": ("tab:pink", "^", ""),
+        "mlx-lm DWQ": ("teal", "<", ""),
         "mlx-dq": ("tab:red", "*", "-"),
         "mlx-dq --mlx-lm-compatible": ("tab:green", "P", "-"),
         "mlx-dq (no compensation)": ("tab:brown", "x", ":"),
@@ -404,11 +408,13 @@ def calibrated_note(rows: list[dict], lm_calib_rows: int, lm_calib_seq_len: int)
 
 
 def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache: Path, spec: str,
-                    calibrated_rows: mx.array | None = None) -> Iterator[Variant]:
+                    calibrated_rows: mx.array | None = None, dwq_rows: mx.array | None = None,
+                    distill: DistillSettings | None = None) -> Iterator[Variant]:
     """Every mlx-lm method, built lazily one at a time from the float32 model.
 
     Ordered so that a run cut short still covers the range where methods compete (2-5 bits) first.
-    ``calibrated_rows``: the calibration rows for GPTQ and AWQ (None: ``calib_rows``).
+    ``calibrated_rows``: the calibration rows for GPTQ and AWQ (None: ``calib_rows``). ``dwq_rows`` and
+    ``distill``: the rows and settings of mlx-dq's distillation, which DWQ is given (no rows: no DWQ row).
     """
     cal_rows = calib_rows if calibrated_rows is None else calibrated_rows
     cal_note = f"calibrated on {cal_rows.shape[0]} x {cal_rows.shape[1]} tokens of mlx-dq's calibration text"
@@ -425,6 +431,34 @@ def mlx_lm_variants(model: nn.Module, config: dict, calib_rows: mx.array, cache:
                       lambda: (baselines.awq(model, config, cal_rows)[0], None), cal_note)
         yield Variant("mlx-lm AWQ", f"mlx-lm AWQ 4-bit g64, embedding 4-bit g64{cal}",
                       lambda: (baselines.awq(model, config, cal_rows, embed_group_size=64)[0], None), cal_note)
+        if dwq_rows is not None:
+            yield dwq_variant()
+
+    def dwq_variant() -> Variant:
+        d = distill or DistillSettings()
+        budget = (d.calib, d.rows, d.seq_len, d.seed, d.steps, d.batch_size, d.lr)
+        own = budget == (None, *(getattr(DistillSettings, k) for k in ("rows", "seq_len", "seed", "steps",
+                                                                       "batch_size", "lr")))
+        n, seq = dwq_rows.shape
+        suffix = "" if own else f", {d.steps} steps of {d.batch_size} on {n} x {seq} tokens, lr {d.lr:g} x median scale"
+        text = "mlx-dq's calibration text" if d.calib is None else str(d.calib)
+
+        def build() -> tuple[nn.Module, None]:
+            q, _, rec = baselines.dwq(model, config, dwq_rows, steps=d.steps, batch_size=d.batch_size,
+                                      relative_lr=d.lr, valid_rows=dwq_rows[:DWQ_VALID_ROWS])
+            v.notes += f" = {rec['lr']:.3g}"
+            print(f"  DWQ: {rec['steps']} steps, lr {rec['lr']:.3g}; its validation loss on {rec['valid_rows']} of "
+                  f"its rows {' -> '.join(f'{x:g}' for x in rec['valid_loss'])}; changed in 16 bits: "
+                  f"{100 * rec['changed']['scales']:.1f}% of scales, {100 * rec['changed']['biases']:.2f}% of "
+                  f"biases; {rec['seconds']:.0f} s", flush=True)
+            return q, None
+
+        v = Variant("mlx-lm DWQ", f"mlx-lm DWQ 4-bit g64{suffix}", build,
+                    f"from mlx-lm 4-bit g64; mlx-lm's dwq_quantize in float32 on {n} x {seq} tokens of {text} "
+                    f"(mlx-dq's --distill rows), {d.steps} steps of {d.batch_size} row(s) "
+                    f"({d.steps * d.batch_size * (seq - 1)} scored positions), temperature "
+                    f"{baselines.DWQ_DEFAULTS['temperature']:g}, Adam at a constant lr of {d.lr:g} x median |scale|")
+        return v
 
     def uniform(b: int) -> Iterator[Variant]:
         for g in baselines.GROUP_SIZES:
@@ -601,10 +635,10 @@ def _numbers(text: str, hint: str) -> tuple[float, ...]:
 
 
 def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
-    """``--texts``: comma-separated names (``calib.EVAL_TEXTS``) or files, to (texts, label) by name."""
+    """``--texts``: comma-separated names (``calib.EVAL_TEXTS``, ``all`` for every one) or files, to (texts, label)."""
     out = {}
-    for n in (x.strip() for x in names.split(",")):
-        if not n:
+    for n in (y for x in names.split(",") for y in (calib.EVAL_TEXTS if x.strip() == "all" else [x.strip()])):
+        if not n or n in out:
             continue
         try:
             texts, label = calib.resolve_eval_texts(n)
@@ -620,7 +654,8 @@ def _eval_texts(names: str) -> dict[str, tuple[list[str], str]]:
 @click.option("--model", "spec", default=DEFAULT_MODEL, show_default=True,
               help="Model spec (sources.resolve): smollm2-135m, gemma3-270m, a .gguf file or an HF folder.")
 @click.option("--texts", "text_names", default=",".join(DEFAULT_TEXTS), show_default=True,
-              help="Evaluation texts, comma separated: names (" + ", ".join(calib.EVAL_TEXTS) + ") or .txt/.jsonl files.")
+              help="Evaluation texts, comma separated: names (" + ", ".join(calib.EVAL_TEXTS) + "; all: every one) "
+                   "or .txt/.jsonl files.")
 @click.option("--rows", default=8, show_default=True, type=click.IntRange(min=1), help="Evaluation rows per text.")
 @click.option("--seq-len", default=256, show_default=True, type=click.IntRange(min=3), help="Tokens per row.")
 @click.option("--batch-size", default=4, show_default=True, type=click.IntRange(min=1))
@@ -729,6 +764,8 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
         cal_texts = calib.default_calibration_texts()
         c_rows = calib.sample_rows(tokenizer, cal_texts, calib_rows, calib_seq_len, seed)
         lm_rows = calib.sample_rows(tokenizer, cal_texts, lm_calib_rows, lm_calib_seq_len, seed)
+        dwq_rows = calib.calibration_rows(tokenizer, d_settings.calib, d_settings.rows, d_settings.seq_len,
+                                          d_settings.seed)[1]  # the rows mlx-dq's distillation trains on
     refs: dict[str, evaluate.Reference] = {}
 
     def ref(name: str) -> evaluate.Reference:
@@ -757,7 +794,7 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
 
     variants: list[Iterator[Variant]] = []
     if only in ("all", "mlx-lm"):
-        variants.append(mlx_lm_variants(model, config, c_rows, cache, spec, lm_rows))
+        variants.append(mlx_lm_variants(model, config, c_rows, cache, spec, lm_rows, dwq_rows, d_settings))
     if only in ("all", "mlx-dq"):
         variants.append(mlx_dq_variants(spec, dq_targets, cache,
                                         tuple(m.strip() for m in dq_modes.split(",") if m.strip()), rtn,
@@ -826,10 +863,20 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
             "`--mlx-lm-compatible` plans use whole-tensor options only; '(no compensation)' rows are measured "
             "with rounding (`measure --method rtn`) and quantized with rounding + clip search (`convert --method "
             "rtn`) instead of GPTQ.",
-            "mlx-lm's DWQ (`mlx_lm.dwq`: distils scales and biases against the source's logits) is not a row: "
-            "its defaults are 2,048 samples x 1,025 tokens, batch 4, i.e. 512 forward+backward passes through a "
-            "quantized model, many hours on a CPU; a reduced run that fits about an hour here would distil on too "
-            "few tokens to stand for the method.",
+            "mlx-lm DWQ: mlx-lm's own `dwq_quantize` (`mlx_lm.quant.dwq`) given rows directly (its command line "
+            "downloads a dataset), started from the mlx-lm 4-bit g64 row's model, so its difference from that row "
+            "is DWQ's alone. With Adam it distils the scales and biases (and the norm weights, which DWQ leaves "
+            "unfrozen; codes fixed) against the float32 source's logits at its temperature 2, in float32, on "
+            "mlx-dq's `--distill` budget rather than its own defaults (2,048 samples x 1,025 tokens, batch 4, 512 "
+            "steps: many hours on a CPU): the same calibration rows, rows per step and steps (by default each row "
+            "once). DWQ's learning rate is absolute (default 1e-6, for its 512 steps); here it is mlx-dq's "
+            "relative rate times the median |scale| of the 4-bit g64 model, which moves a typical scale by the same "
+            "step. During "
+            "training quantized layers compute through dequantized weights (the same values and gradients, far "
+            "faster on the CPU); scales, biases and norms are then stored in 16 bits. DWQ's validation loss is "
+            f"reported on {DWQ_VALID_ROWS} of its training rows and changes nothing."
+            + "".join(sorted({f" {r['method']}: {r['notes']}." for r in results if r["family"] == "mlx-lm DWQ"
+                              and r.get("text") == next(iter(eval_sets))})),
         ] + ([f"'{DISTILL_FAMILY}' rows: the mixed-proportion mlx-dq model at that target, then its scales and "
                "biases distilled against the float32 source's logits on calibration rows, codes fixed (`mlx_dq "
                "convert --distill`, the `mlx_dq distill` stage): "

@@ -92,9 +92,9 @@ def test_benchmark_scores_each_row_on_each_text(quality, tiny_llama, tmp_path):
     assert "## Text: pydoc" in md and "## Text: dialog" in md
     summary, tables = md.split("## Text: ", 1)  # the summary of every goal comes first, then one section per text
     assert "Goals per text, worst text first" in summary
-    assert tables.count("| 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ or AWQ, at most 5 bpw) | mlx-dq @4 |") == 2
+    assert tables.count("| 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ, AWQ or DWQ, at most 5 bpw) | mlx-dq @4 |") == 2
     for text in ("pydoc", "dialog"):  # the summary: one row per text and goal
-        assert summary.count(f"| {text} | 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ or AWQ, at most 5 bpw) | mlx-dq @4 |") == 1
+        assert summary.count(f"| {text} | 4 bpw vs mlx-lm's best 4-bit calibrated method (GPTQ, AWQ or DWQ, at most 5 bpw) | mlx-dq @4 |") == 1
     ratio = {t: float(by[(t, "mlx-dq @4")]["kl"]) / min(float(r["kl"]) for (tt, m), r in by.items()
                                                       if tt == t and ("GPTQ" in m or "AWQ" in m))
              for t in ("pydoc", "dialog")}
