@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-# The named evaluation texts live in eval_texts; calib.EVAL_TEXTS, calib.eval_texts and
-# calib.drop_calibration_overlap stay for existing callers.
+# The bundled texts live in bundled, the named evaluation texts in eval_texts; their names stay here for
+# existing callers.
+from mlx_dq.data.bundled import default_calibration_texts, default_eval_texts  # noqa: F401
 from mlx_dq.data.eval_texts import (  # noqa: F401
     DEFAULT_EVAL_TEXT,
     EVAL_TEXTS,
@@ -106,30 +106,6 @@ def load_texts(path: str | Path) -> list[str]:
     if not texts:
         raise InputError(f"no text in {p}: it is empty")
     return texts
-
-
-def default_calibration_texts() -> list[str]:
-    """The bundled calibration set (project-written mixed text), one string per file, in a fixed order."""
-    data = resources.files("mlx_dq") / "data"
-    names = sorted(f.name for f in data.iterdir() if f.name.startswith("calib_") and f.name.endswith(".txt"))
-    if not names:
-        raise InputError(f"bundled calibration text is missing from {data}")
-    return [(data / n).read_text(encoding="utf-8") for n in names]
-
-
-def default_eval_texts() -> list[str]:
-    """The default evaluation text: CPython's ``pydoc_data.topics`` documentation, one string per topic.
-
-    It is disjoint from the calibration set, so evaluation never scores calibration rows.
-    """
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # some stripped Python builds drop pydoc_data
-        raise InputError(
-            "default evaluation text needs the standard library's pydoc_data module, "
-            "which this Python lacks; pass an evaluation text file instead"
-        ) from None
-    return [topics[k] for k in sorted(topics)]
 
 
 def text_digest(texts: Sequence[str]) -> str:

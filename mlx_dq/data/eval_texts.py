@@ -36,6 +36,7 @@ import sysconfig
 from pathlib import Path
 from typing import Callable, Sequence
 
+from mlx_dq.data.bundled import default_calibration_texts, default_eval_texts
 from mlx_dq.errors import InputError
 
 DEFAULT_EVAL_TEXT = "pydoc"
@@ -245,8 +246,6 @@ def drop_calibration_overlap(texts: Sequence[str], k: int = OVERLAP_WINDOW) -> l
     Some third-party texts quote common code (a dataclass import, a CI workflow) that the calibration
     text also holds; evaluation must never score text the quantizer was calibrated on.
     """
-    from mlx_dq.data.calib import default_calibration_texts
-
     cal = "\n".join(default_calibration_texts())
     windows = {cal[i : i + k] for i in range(len(cal) - k + 1)}
     return [t for t in texts if not any(t[i : i + k] in windows for i in range(len(t) - k + 1))]
@@ -268,8 +267,6 @@ def eval_texts(name: str = DEFAULT_EVAL_TEXT) -> list[str]:
     Documents that share a passage with the calibration text are left out (see :func:`drop_calibration_overlap`).
     """
     if name == "pydoc":
-        from mlx_dq.data.calib import default_eval_texts
-
         return default_eval_texts()
     if name not in _LOADERS:
         raise InputError(f"unknown evaluation text {name!r}: use one of {', '.join(EVAL_TEXTS)} or a .txt/.jsonl path")
