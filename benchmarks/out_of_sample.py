@@ -23,14 +23,15 @@ import quality
 GOAL_RATIO = 0.9  # the goal: mlx-dq's KL at most 0.9x the mlx-lm row's
 
 
-def read_runs(runs: dict[str, Path]) -> dict[tuple[str, str], list[dict]]:
-    """(model, text) -> that text's rows of the model's quality.csv."""
+def read_runs(runs: dict[str, list[Path]]) -> dict[tuple[str, str], list[dict]]:
+    """(model, text) -> that text's rows of the model's quality.csv files (one model may have several runs)."""
     out: dict[tuple[str, str], list[dict]] = {}
-    for model, folder in runs.items():
-        path = folder / "quality.csv" if folder.is_dir() else folder
-        with path.open(newline="") as f:
-            for r in csv.DictReader(f):
-                out.setdefault((model, r["text"]), []).append(r)
+    for model, folders in runs.items():
+        for folder in folders:
+            path = folder / "quality.csv" if folder.is_dir() else folder
+            with path.open(newline="") as f:
+                for r in csv.DictReader(f):
+                    out.setdefault((model, r["text"]), []).append(r)
     return out
 
 
@@ -61,13 +62,14 @@ def leave_one_out(table: dict[tuple[str, str], dict], target: float) -> list[tup
     return sorted(out, key=lambda x: -x[3])
 
 
-def render(table: dict[tuple[str, str], dict], tuned: set[str], runs: dict[str, Path]) -> list[str]:
+def render(table: dict[tuple[str, str], dict], tuned: set[str], runs: dict[str, list[Path]]) -> list[str]:
     """Markdown lines of the report."""
     lines = ["# Out of sample: mlx-dq against mlx-lm on every model and text, worst first", "",
              f"Goal: ratio = mlx-dq KL / mlx-lm KL <= {GOAL_RATIO} at 3.5 bpw against mlx-lm 4-bit g64 (4.5 bpw) and "
              "at 4.0 bpw against mlx-lm's best calibrated 4-bit row (GPTQ, AWQ or DWQ, at most 5 bpw). Texts marked "
              f"'tuned' ({', '.join(sorted(tuned)) or 'none'}) were looked at when the defaults were chosen; every "
-             "other text is out of sample. Runs: " + ", ".join(f"{m}: `{p}`" for m, p in runs.items()) + ".", ""]
+             "other text is out of sample. Runs: " + "; ".join(f"{m}: " + ", ".join(f"`{p}`" for p in ps)
+                                                      for m, ps in runs.items()) + ".", ""]
     flat = [(m, t, tg, fam, r, dq, lm) for (m, t), v in table.items() for (tg, fam), (r, dq, lm) in v.items()]
     flat.sort(key=lambda x: -x[4])
     out_of_sample = [x for x in flat if x[1] not in tuned and x[3] == "mlx-dq"]
@@ -93,18 +95,19 @@ def render(table: dict[tuple[str, str], dict], tuned: set[str], runs: dict[str, 
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--run", "run_specs", multiple=True, required=True, help="MODEL=FOLDER of a quality.py run (or its CSV).")
+@click.option("--run", "run_specs", multiple=True, required=True,
+              help="MODEL=FOLDER of a quality.py run (or its CSV); repeat a model for several runs of it.")
 @click.option("--tuned", default="pydoc,shakespeare,dialog", show_default=True,
               help="Texts the defaults were tuned on (marked; not out of sample).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def main(run_specs: tuple[str, ...], tuned: str, output: Path) -> None:
     """Write the out-of-sample report of several quality.py runs."""
-    runs = {}
+    runs: dict[str, list[Path]] = {}
     for spec in run_specs:
         model, sep, folder = spec.partition("=")
         if not sep:
             raise click.BadParameter(f"{spec!r}: expected MODEL=FOLDER", param_hint="--run")
-        runs[model] = Path(folder)
+        runs.setdefault(model, []).append(Path(folder))
     table = {k: ratios(v) for k, v in read_runs(runs).items()}
     table = {k: v for k, v in table.items() if v}
     if not table:

@@ -57,7 +57,7 @@ def test_leave_one_out_picks_on_the_other_texts(oos, tmp_path):
     # distilled is better everywhere but on "code", where plain mlx-dq wins: held out, code gets the distilled
     # variant (chosen on the other texts), whose ratio there is the worse one
     rows = _text("news", 0.9, 0.5) + _text("mail", 0.9, 0.6) + _text("code", 0.7, 1.2)
-    table = {k: oos.ratios(v) for k, v in oos.read_runs({"m": _write(tmp_path / "r", rows)}).items()}
+    table = {k: oos.ratios(v) for k, v in oos.read_runs({"m": [_write(tmp_path / "r", rows)]}).items()}
     picks = {text: (fam, r) for _, text, fam, r in oos.leave_one_out(table, 3.5)}
     assert picks["code"] == ("mlx-dq + distill", pytest.approx(1.2))
     assert picks["news"][0] == "mlx-dq"  # on mail and code, plain mlx-dq's worst (0.9) beats distilled's (1.2)
