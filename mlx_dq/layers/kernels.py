@@ -438,14 +438,9 @@ def _by_row_blocks(
     outs: list[mx.array] = []
     for a in range(0, n, block):
         after = outs[-1] if outs else xp
-        y, start = None, 0
-        for (w, s, b), nb, g in zip(parts, bits, group_sizes):
-            width = int(s.shape[-1]) * int(g)
-            ws, ss, bs = mx.depends([w[a : a + block], s[a : a + block], b[a : a + block]], [after])
-            part = product(xp[..., start : start + width], ws, ss, bs, g, nb)
-            y = part if y is None else y + part
-            start += width
-        outs.append(y)
+        rows = [tuple(mx.depends([w[a : a + block], s[a : a + block], b[a : a + block]], [after]))
+                for w, s, b in parts]
+        outs.append(_sum_over_segments(xp, None, rows, bits, group_sizes, product))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
 
 
