@@ -319,12 +319,18 @@ def test_metal_branch_dispatch_and_segment_matmuls_on_cpu(monkeypatch):
     ids = mx.array([1, 39])
     assert emb(ids).dtype == mx.float16
     np.testing.assert_allclose(np.array(emb(ids).astype(mx.float32)), w64[[1, 39]], rtol=2e-3, atol=2e-3)
-    bank_qt = _quantized((3, 40, 256), "0.5:5b_32g/0.5:3b_32g", seed=43)
+    _assert_bank_matches_numpy(256, seed=43)
+
+
+def _assert_bank_matches_numpy(in_features: int, seed: int) -> MixedSwitchLinear:
+    """A 3-expert mixed bank's gathered matmul on 4 tokens x 2 experts equals numpy's; returns the bank."""
+    bank_qt = _quantized((3, 40, in_features), "0.5:5b_32g/0.5:3b_32g", seed=seed)
     bank = MixedSwitchLinear.from_quantized(bank_qt)
-    x = mx.random.normal((4, 1, 1, 256), key=mx.random.key(44))
+    x = mx.random.normal((4, 1, 1, in_features), key=mx.random.key(seed + 1))
     idx = mx.array([[0, 2], [1, 1], [2, 0], [0, 0]])
     want = np.einsum("bk,bjok->bjo", np.array(x[:, 0, 0], dtype=np.float64), _np_weight(bank_qt)[np.array(idx)])
     assert _rel(bank(x, idx)[:, :, 0], want) < 1e-5
+    return bank
 
 
 @pytest.mark.parametrize("kind", ["linear", "embedding", "switch"])
@@ -395,12 +401,7 @@ def test_cpu_cache_off_embedding_head_and_banks(cache_off):
         assert _rel(emb.as_linear(x), np.array(x, dtype=np.float64) @ w64.T) < 1e-5
     ids = mx.array([[0, 7, 99]])
     np.testing.assert_allclose(np.array(emb(ids)), w64[np.array(ids)], rtol=1e-6, atol=1e-7)
-    bank_qt = _quantized((3, 40, 128), "0.5:5b_32g/0.5:3b_32g", seed=63)
-    bank = MixedSwitchLinear.from_quantized(bank_qt)
-    x = mx.random.normal((4, 1, 1, 128), key=mx.random.key(64))
-    idx = mx.array([[0, 2], [1, 1], [2, 0], [0, 0]])
-    want = np.einsum("bk,bjok->bjo", np.array(x[:, 0, 0], dtype=np.float64), _np_weight(bank_qt)[np.array(idx)])
-    assert _rel(bank(x, idx)[:, :, 0], want) < 1e-5
+    bank = _assert_bank_matches_numpy(128, seed=63)
     assert emb._cache.weight is None and bank._cache.weight is None
 
 
