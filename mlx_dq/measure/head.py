@@ -15,7 +15,12 @@ import numpy as np
 
 from mlx_dq.measure.head_kl import HeadKL, add_lookup_damage, chunked_nll_sum
 from mlx_dq.measure.importance import depth_kl_scales
-from mlx_dq.measure.meter import ErrorMeter, output_energies, output_row_sample
+from mlx_dq.measure.meter import (
+    ErrorMeter,
+    output_energies,
+    output_row_sample,
+    sampled_row_count,
+)
 from mlx_dq.measure.records import OptionRecord, TensorRecord
 from mlx_dq.measure.run import (
     MeasureRun,
@@ -229,12 +234,13 @@ def _head_passes(run: MeasureRun, path: str, mod: nn.Module, stats: InputStats |
     if stats is None:  # a lookup table: rounded, each option alone
         return [[o] for o in fitting]
     if not run.kl_scale:  # no damage function: sample_rows rows, as a decoder tensor
-        rows = n if len(shape) == 2 and stats.gram.ndim == 2 and 0 < n < shape[0] else shape[0]
+        rows = sampled_row_count(shape, stats.gram.ndim, n) or shape[0]
         return option_batches(fitting, (rows,) + shape[1:], spec)
     anchors = head_anchors(fitting, shape[-1])
     lookup = run.embed_lookup.get(path)
-    rows = HEAD_SAMPLE_FACTOR * n + (int(np.count_nonzero(lookup.token_counts)) if lookup is not None else 0)
-    if n <= 0 or len(fitting) <= len(anchors) or len(shape) != 2 or stats.gram.ndim != 2 or shape[0] <= rows:
+    must = int(np.count_nonzero(lookup.token_counts)) if lookup is not None else 0
+    rows = sampled_row_count(shape, stats.gram.ndim, HEAD_SAMPLE_FACTOR * n, must)
+    if rows is None or len(fitting) <= len(anchors):
         return option_batches(fitting, shape, spec)  # every option end to end (:func:`_head_by_anchors` is None)
     rest = [o for o in fitting if o not in anchors]
     return option_batches(anchors, shape, spec) + option_batches(rest, (rows,) + shape[1:], spec)

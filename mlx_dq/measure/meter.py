@@ -39,6 +39,14 @@ def output_energies(w: mx.array, gram: mx.array) -> np.ndarray:
                            for wb in (w[sl].astype(mx.float32) for sl in row_blocks(w.shape) or [slice(None)])])
 
 
+def sampled_row_count(shape: tuple[int, ...], gram_ndim: int, n: int, must: int = 0) -> int | None:
+    """How many output rows :func:`output_row_sample` measures a weight of ``shape`` on (``n`` plus ``must`` rows
+    taken beyond them); None when it does not sample (every row is measured)."""
+    if n <= 0 or len(shape) != 2 or gram_ndim != 2 or int(shape[0]) <= n + must:
+        return None
+    return n + must
+
+
 def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
                       must: np.ndarray | None = None,
                       energy: mx.array | np.ndarray | None = None) -> tuple[mx.array, mx.array] | None:
@@ -57,7 +65,7 @@ def output_row_sample(key: str, w: mx.array, gram: mx.array, n: int,
     """
     rows = int(w.shape[0])
     must = np.unique(np.asarray(must, dtype=np.int64)) if must is not None else np.empty(0, dtype=np.int64)
-    if n <= 0 or w.ndim != 2 or gram.ndim != 2 or rows <= n + must.size:
+    if sampled_row_count(tuple(w.shape), gram.ndim, n, must.size) is None:
         return None
     energy = output_energies(w, gram) if energy is None else np.asarray(energy, dtype=np.float64)
     by_energy = np.argsort(-energy, kind="stable")

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_dq.errors import InputError
+from mlx_dq.measure.meter import sampled_row_count
 from mlx_dq.measure.records import Measurement
 from mlx_dq.measure.tensor import fitting_options, reference_option
 from mlx_dq.model.runner import LayerRunner
@@ -104,8 +105,7 @@ def layer_passes(run: MeasureRun, mod: nn.Module, options: list[QuantOption]) ->
     batched on the rows they are measured on (``sample_rows`` of a 2-D weight)."""
     shape = tuple(int(d) for d in mod.weight.shape)
     ref = reference_option(options, shape[-1]).desc
-    n = run.s.sample_rows
-    rows = n if len(shape) == 2 and 0 < n < shape[0] else shape[0]
+    rows = sampled_row_count(shape, 2, run.s.sample_rows) or shape[0]  # a decoder tensor's Gram is 2-D
     shared = len(shape) == 2 or run.s.expert_mode == "shared"  # one Gram for every expert of a bank
     rest = [o for o in options if o.desc != ref]
     return [[o] for o in options if o.desc == ref] + option_batches(rest, (rows,) + shape[1:], run.s.quantizer(),
