@@ -121,7 +121,8 @@ def main() -> None:
 
     folder = Path(args.folder)
     plan = json.loads((folder / "plan.json").read_text())
-    preds = {"calib": option_damage(json.loads((folder / "measurement.json").read_text()))}
+    meas = json.loads((folder / "measurement.json").read_text())
+    preds = {"calib": option_damage(meas)}
     for spec in args.measurement:
         label, _, path = spec.partition("=")
         preds[label] = option_damage(json.loads(Path(path).read_text()))
@@ -133,7 +134,6 @@ def main() -> None:
     rows = [{"key": t["key"], "option": t["option"], "bits": t["bits"], "numel": t["numel"],
              "role": "", "layer": layer_index(t["key"]), "third": "outside" if layer_index(t["key"]) is None
              else f"{min(2, 3 * layer_index(t['key']) // n_layers) + 1}/3"} for t in plan["tensors"]]
-    meas = json.loads((folder / "measurement.json").read_text())
     roles = {r["key"]: r["role"] for r in meas["measurement"]}
     for r in rows:
         r["role"] = roles.get(r["key"], "?")
