@@ -2,7 +2,10 @@
 
 Measures the bundled SmolLM2-135M (optionally only its first ``--layers``
 decoder layers, written to a temporary folder) once with one rank and once
-with two, every rank limited to one BLAS/OpenMP thread, and prints the wall
+with two, every rank limited to one BLAS/OpenMP thread and ``--threads``
+mlx-dq worker threads (default 1: each rank stands for one Mac's core, the
+one-rank run included, so that the one-rank run does not use both of this
+machine's cores for its options while each of two ranks gets one), and prints the wall
 times, the speedup, whether both measurements are identical, and the bytes
 each rank contributed to collectives per decoder layer (Gram sums and
 gathered results). Run from the repository root:
@@ -79,6 +82,7 @@ def run(n: int, args: argparse.Namespace, model: str, out: Path) -> list[dict]:
     2-core machine would take a whole core from the ranks being timed.
     """
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               MLX_DQ_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, __file__, "--worker", "--model", model, "--rows", str(args.rows), "--seq-len",
            str(args.seq_len), "--grid", args.grid, "--method", args.method, "--out", str(out)]
@@ -111,11 +115,15 @@ def run(n: int, args: argparse.Namespace, model: str, out: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=30, help="Decoder layers of the bundled model to measure.")
-    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=32, help="Calibration rows (the README's convert uses 32).")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--grid", default="default")
     ap.add_argument("--method", default="gptq")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="mlx-dq worker threads per rank (MLX_DQ_THREADS); 1 emulates one core per Mac, as the "
+                         "one-rank run gets too")
     ap.add_argument("--port", type=int, default=42300)
+    ap.add_argument("--json", default=None, help="also write every rank's raw result (per-layer timings) here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -132,9 +140,12 @@ def main() -> None:
         two = run(2, args, model, tmp / "two.json")
         same = strip_timing(json.loads((tmp / "one.json").read_text())) == strip_timing(
             json.loads((tmp / "two.json").read_text()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "one": one, "two": two}, indent=1))
     t1, t2 = one[0]["measure_s"], max(r["measure_s"] for r in two)
     print(f"model: smollm2-135m, {args.layers} decoder layers; {args.rows} rows x {args.seq_len} tokens; "
-          f"grid {args.grid}; method {args.method}; one thread per rank")
+          f"grid {args.grid}; method {args.method}; one BLAS thread and {args.threads} mlx-dq worker "
+          f"thread(s) per rank")
     print(f"1 rank : measure {t1:8.1f} s   (whole process {one[0]['process_s']:.1f} s)")
     print(f"2 ranks: measure {t2:8.1f} s   (whole processes {two[0]['process_s']:.1f} s)")
     print(f"speedup: {t1 / t2:.2f}x (measure), {one[0]['process_s'] / two[0]['process_s']:.2f}x (whole processes)")
@@ -147,14 +158,18 @@ def main() -> None:
         print(f"rank {r['rank']}: per decoder layer {gram / 2**20:.2f} MiB into Gram all_sums + "
               f"{obj / 2**20:.3f} MiB of gathered results; head {sum((r['head'] or {}).values()) / 2**20:.2f} MiB; "
               f"{r['calls']} collectives in all")
-    for r in two:
+    for r in one + two:
         waits = r.get("wait_s") or {}
         tm = r.get("timing") or {}
-        print(f"rank {r['rank']}: waited {sum(waits.values()):.1f} s in collectives "
+        who = f"rank {r['rank']} of {r['size']}"
+        print(f"{who}: waited {sum(waits.values()):.1f} s in collectives "
               f"(decoder layers {sum(v for k, v in waits.items() if k.isdigit()):.1f} s, "
               f"head {waits.get('head', 0.0):.1f} s); summed over the decoder layers: forward "
               f"{sum(tm.get('forward_s', [])):.1f} s, options {sum(tm.get('options_s', [])):.1f} s, "
-              f"importance and gathers {sum(tm.get('importance_s', [])):.1f} s")
+              f"importance and gathers {sum(tm.get('importance_s', [])):.1f} s; embedding and head "
+              f"{r['measure_s'] - sum(tm.get('layers_s', [])):.1f} s")
+        if tm.get("head"):
+            print("    head: " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in tm["head"].items()))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ carried perturbations' KL (which puts every importance in nats) and the head's o
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
@@ -49,6 +50,7 @@ HEAD_SAMPLE_FACTOR = 8  # the head's predicted options are measured on sample_ro
 def measure_head(run: MeasureRun) -> None:
     """Head and embedding: the final hidden states through the model's own norm and head."""
     s, m, model, tokens, share = run.s, run.m, run.runner.net, run.tokens, run.runner.share
+    clock = _Clock(m.extra.setdefault("timing", {}).setdefault("head", {}))
     head_mods = {p: mod for p, mod in run.runner.outside_modules().items() if role_of(p) is not None}
     dist.set_stage("head")
     owner: dict[tuple[str, str], int] = {}
@@ -63,6 +65,7 @@ def measure_head(run: MeasureRun) -> None:
         owner.update(own)
         recs[path] = _measure_head_tensor(run, path, head_mods[path], None, None, 1.0, own)
         free_table(head_mods[path])
+    clock("lookup_tables_s")
     run.runner.load_outside(skip=lookup_only)
     nlls = []
     with run.runner.collector(head_mods) as head_col:
@@ -79,11 +82,13 @@ def measure_head(run: MeasureRun) -> None:
     for _, v in sorted(x for part in dist.gather_objects(nlls) for x in part):  # row order, as one process sums
         nll += v
     m.base_perplexity = math.exp(nll / (run.n_imp * (s.seq_len - 1)))
+    clock("inputs_s")
     head_kl = HeadKL(model, tokens[:run.n_imp], run.hidden[:run.n_imp], s.head_chunk) if run.kl_scale else None
     logit_mods = [mod for p, mod in head_mods.items() if head_col.stats.get(p) is not None]
     kls = _carried_kls(run, head_kl, logit_mods[0] if len(logit_mods) == 1 else None) if run.kl_scale else {}
     scale = _kl_scale(run, kls) if run.kl_scale else 1.0
     run.lookup_weight = _lookup_kls(run, kls) if run.kl_scale else {}
+    clock("carried_kl_s")
     no_inputs = sorted(p for p in head_mods if head_col.stats.get(p) is None)
     if sorted(lookup_only) != no_inputs:
         raise RuntimeError(f"tables measured as lookups only {sorted(lookup_only)} differ from those the head "
@@ -96,10 +101,12 @@ def measure_head(run: MeasureRun) -> None:
     owner.update(own)
     for path, mod in rest.items():
         recs[path] = _measure_head_tensor(run, path, mod, head_col, head_kl, scale, own)
+    clock("options_s")
     head_recs = [recs[p] for p in head_mods]
     if owner:
         merged = dist.gather_layer([r for r, _, _ in head_recs], {}, {}, owner, list(head_mods))[0]
         head_recs = [(r, mod, fn) for r, (_, mod, fn) in zip(merged, head_recs)]
+        clock("gather_s")
     for rec, mod, fn in head_recs:
         path = rec.key
         if fn is not None:
@@ -108,6 +115,18 @@ def measure_head(run: MeasureRun) -> None:
                 rec.importance = ref_rec.damage / ref_rec.err**2  # for reports; the optimizer uses the damage
         m.tensors[path] = rec
     del head_kl
+
+
+class _Clock:
+    """Seconds since the previous call, added under a name to ``into`` (the head stage's timing breakdown)."""
+
+    def __init__(self, into: dict):
+        self.into, self.t = into, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = round(self.into.get(name, 0.0) + now - self.t, 3)
+        self.t = now
 
 
 def _lookup_weight(run: MeasureRun, path: str, scale: float) -> float:
@@ -188,10 +207,13 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
     if sample is None or len(fitting) <= len(anchors):
         return None
     anchor_at = {o.desc: i for i, o in enumerate(anchors)}
+    clock = _Clock(run.m.extra["timing"]["head"])
     rec = measure_tensor(path, w, anchors, stats, role, spec=run.s.quantizer(), damage_fn=fn,
                          how=HowToMeasure(progress=run.progress, energy=energy, only=only))
     parts = list(getattr(fn, "lookup_damage", [0.0] * len(rec.options)))
+    clock("anchors_s")
     got = sorted(_every_rank(list(zip(rec.options, parts)), only), key=lambda rp: anchor_at[rp[0].option.desc])
+    clock("anchors_gather_s")
     rec.options, parts = [r for r, _ in got], [lp for _, lp in got]  # every rank needs both anchors' ratios
     ratio = {r.option.is_mixed: max(r.damage - lp, 0.0) / r.err ** 2 if r.err else 0.0
              for r, lp in zip(rec.options, parts)}  # head KL per squared output error, whole and mixed options
@@ -214,6 +236,7 @@ def _head_by_anchors(run: MeasureRun, path: str, w: mx.array, options: Sequence[
                               how=HowToMeasure(progress=run.progress, sample=sample, energy=energy, only=only))
         rec.options += part.options
     n = len(anchors)
+    clock("predicted_s")
     predicted = _every_rank(list(zip(rec.options[n:], parts[n:])), only)
     order = {o.desc: i for i, o in enumerate(fitting)}
     by_option = sorted(list(zip(rec.options[:n], parts[:n])) + predicted, key=lambda rp: order[rp[0].desc])

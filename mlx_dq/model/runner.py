@@ -349,20 +349,20 @@ class LayerRunner:
     def forward(self, i: int, hidden: Any, col: GramCollector | None = None) -> Any:
         """Layer ``i``'s float32 output on ``hidden`` (this rank's batches); ``col`` collects its inputs (all ranks' sums)."""
         layer = self.layers[i]
-        ys = []
+        ys = {}
         with cpu_forward():  # swapped in once for the batches, not once a batch
             for b, sl in enumerate(self.batches):
-                if not self.share.runs(b):
+                if not self.share.owns(b):  # another rank's batch (its importance rows arrive from it below)
                     continue
                 args, kwargs = self.calls[b][i]
                 y = layer(hidden[sl], *args, **kwargs).astype(mx.float32)
                 mx.eval(y)
                 if col is not None:
                     self.share.flush(col, b)
-                ys.append(y)
+                ys[b] = y
         if col is not None:
             dist.reduce_stats(col)
-        return self.share.join(ys)
+        return self.share.join_owned(ys)
 
     def free(self, i: int) -> None:
         """Release layer ``i``'s weights."""

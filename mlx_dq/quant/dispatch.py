@@ -455,7 +455,7 @@ def _quantize_outside(runner: LayerRunner, hidden: Any, options: dict[str, Quant
     net, tokens, share = runner.net, runner.tokens, runner.share
     with runner.collector(head_mods) as col:
         for b, sl in enumerate(runner.batches):
-            if not share.runs(b):
+            if not share.owns(b):  # another rank's rows: their inputs would be dropped
                 continue
             record_head_inputs(net, tokens[sl], hidden[sl], lambda: share.flush(col, b))
     dist.reduce_stats(col)

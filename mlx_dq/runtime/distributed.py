@@ -266,6 +266,22 @@ class RowShare:
         run = [b for b in range(len(self.batches)) if self.runs(b)]
         return LocalRows(dict(zip(run, parts)), self.batches)
 
+    def join_owned(self, parts: dict[int, mx.array]) -> Any:
+        """Like :meth:`join`, from the outputs of this rank's own batches ``parts`` (batch -> array): the batches
+        holding ``keep`` rows that another rank owns are received from it, not computed twice.
+
+        Why: every rank needs those rows, and with two ranks computing them on both made one rank run one batch
+        in five more than the other in every layer's forward. The bytes received are the owner's, so the result
+        is the same as computing them here."""
+        if not active():
+            return mx.concatenate([parts[b] for b in sorted(parts)], axis=0)
+        kept = [b for b, sl in enumerate(self.batches) if sl.start < self.keep]
+        if kept:
+            for part in gather_objects({b: parts[b] for b in kept if b in parts}):
+                for b, v in part.items():
+                    parts.setdefault(b, v)
+        return LocalRows({b: parts[b] for b in sorted(parts) if self.runs(b)}, self.batches)
+
 
 class LocalRows:
     """Hidden states of some calibration batches, read with the same slices as the full array.
