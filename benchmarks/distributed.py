@@ -8,9 +8,12 @@ one-rank run included, so that the one-rank run does not use both of this
 machine's cores for its options while each of two ranks gets one), and prints the wall
 times, the speedup, whether both measurements are identical, and the bytes
 each rank contributed to collectives per decoder layer (Gram sums and
-gathered results). Run from the repository root:
+gathered results). ``--shape 8b`` measures a one-layer random model at
+Llama-3-8B's shapes (``benchmarks/scale.py``'s) instead. Run from the
+repository root:
 
-    python benchmarks/distributed.py --layers 4 --rows 8 --grid fast
+    python benchmarks/distributed.py                      # the whole bundled model, README settings
+    python benchmarks/distributed.py --shape 8b --rows 8  # one 8B-shaped layer and its head
 
 On a 2-core machine the two ranks share the two cores with anything else
 running; the figure is only meaningful on an otherwise idle machine. Note
@@ -51,6 +54,19 @@ def truncated_model(layers: int, folder: Path) -> str:
     config = dict(src.config, num_hidden_layers=layers)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     src.save_tokenizer(folder)
+    return str(folder)
+
+
+def scale_model(shape: str, folder: Path) -> str:
+    """A one-decoder-layer random-weight model at one of ``benchmarks/scale.py``'s shapes (e.g. Llama-3-8B's)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import scale
+
+    if shape not in scale.SHAPES:
+        sys.exit(f"--shape {shape!r}: use one of {', '.join(scale.SHAPES)}")
+    spec = dict(scale.SHAPES[shape], layers=1)
+    subprocess.run([sys.executable, "-c", scale.BUILD, str(folder), json.dumps(spec), str(REPO / "tests")],
+                   check=True, capture_output=True)
     return str(folder)
 
 
@@ -115,6 +131,8 @@ def run(n: int, args: argparse.Namespace, model: str, out: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=30, help="Decoder layers of the bundled model to measure.")
+    ap.add_argument("--shape", default=None, help="instead of the bundled model: a one-layer random model at this "
+                    "shape of benchmarks/scale.py (8b, 70b, 0.5b, tiny)")
     ap.add_argument("--rows", type=int, default=32, help="Calibration rows (the README's convert uses 32).")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--grid", default="default")
@@ -135,7 +153,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = truncated_model(args.layers, tmp / "model")
+        model = scale_model(args.shape, tmp / "model") if args.shape else truncated_model(args.layers, tmp / "model")
         one = run(1, args, model, tmp / "one.json")
         two = run(2, args, model, tmp / "two.json")
         same = strip_timing(json.loads((tmp / "one.json").read_text())) == strip_timing(
@@ -143,7 +161,9 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "one": one, "two": two}, indent=1))
     t1, t2 = one[0]["measure_s"], max(r["measure_s"] for r in two)
-    print(f"model: smollm2-135m, {args.layers} decoder layers; {args.rows} rows x {args.seq_len} tokens; "
+    name = f"{args.shape} shape (benchmarks/scale.py), 1 decoder layer" if args.shape else \
+        f"smollm2-135m, {args.layers} decoder layers"
+    print(f"model: {name}; {args.rows} rows x {args.seq_len} tokens; "
           f"grid {args.grid}; method {args.method}; one BLAS thread and {args.threads} mlx-dq worker "
           f"thread(s) per rank")
     print(f"1 rank : measure {t1:8.1f} s   (whole process {one[0]['process_s']:.1f} s)")

@@ -272,6 +272,27 @@ def test_split_by_cost_balances_and_is_deterministic():
     assert dist.split_by_cost(costs, 1) == [0] * len(costs)
 
 
+def test_split_by_cost_counts_the_ranks_work_before_the_items():
+    # rank 0 already has 10 units to do (carried copies): both items go to rank 1, then balance resumes
+    assert dist.split_by_cost([3.0, 3.0], 2, start=[10.0, 0.0]) == [1, 1]
+    assert dist.split_by_cost([3.0, 3.0, 8.0], 2, start=[10.0, 0.0]) == [1, 0, 1]  # 8 and 3 to rank 1, then 3 to 0
+    assert dist.split_by_cost([3.0, 3.0], 2) == [0, 1]
+
+
+def test_carried_copies_per_rank_follow_their_owners(monkeypatch):
+    from types import SimpleNamespace
+
+    from mlx_dq.measure.run import carried_copies
+
+    monkeypatch.setattr(dist, "size", lambda: 2)
+    run = SimpleNamespace(kl_scale=True, sample_layers={0, 4, 8, 12},
+                          m=SimpleNamespace(extra={"importance": {"kl_scale": {"lookups": {"embed": {}}}}}))
+    assert carried_copies(run, 0) == [1, 0]  # the lookup table's copy, on rank 0
+    assert carried_copies(run, 5) == [2, 1]  # + layer 0's (rank 0) and layer 4's (rank 1)
+    assert carried_copies(run, 13) == [3, 2]
+    assert carried_copies(SimpleNamespace(kl_scale=False), 13) == [0, 0]
+
+
 def test_single_process_helpers_are_identity():
     assert dist.size() == 1 and dist.rank() == 0 and dist.is_root() and not dist.active()
     x = mx.arange(4)

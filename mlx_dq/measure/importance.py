@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Sequence
 
 import mlx.core as mx
@@ -44,12 +45,14 @@ def residual_importance(
     mods: dict[str, nn.Module],
     refs: dict[str, QuantizedTensor],
     expert_mode: str = "per_expert",
+    seconds: dict[str, float] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per tensor: squared change of ``layer``'s output when only it uses ``refs[path]``, relative to the output.
 
     The change is divided by :func:`robust_energy` of the layer's output.
     Returns ``{path: {"damage", "err", "importance"}}`` with ``importance =
-    damage / err**2``, both measured on the rows ``h``.
+    damage / err**2``, both measured on the rows ``h``; ``seconds`` (a dict) receives each path's rerun time
+    (for sharing the work over ranks).
 
     Each rerun reuses the submodule calls made before the changed tensor's (:mod:`mlx_dq.model.replay`): the same
     values, a fraction of the work for the later tensors of a layer.
@@ -63,6 +66,7 @@ def residual_importance(
     energy = robust_energy(ref)
     out = {}
     for path, ref_qt in refs.items():
+        t0 = time.perf_counter()
         mod = mods[path]
         wq = ref_qt.dequantize(ref_qt.dtype)  # exact, not the layer's dtype (bfloat16 would round it)
         with weight_as(mod, wq) as w:
@@ -71,6 +75,8 @@ def residual_importance(
             damage = exact_sums((y - ref) ** 2)[0] / energy
         err = input_error(w, wq, inputs[path]) if path in inputs else output_error(w, wq, col.stats[path].gram)
         out[path] = {"damage": damage, "err": err, "importance": damage / err**2 if err > 0 else 0.0}
+        if seconds is not None:
+            seconds[path] = time.perf_counter() - t0
     return out
 
 

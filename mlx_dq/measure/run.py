@@ -71,7 +71,8 @@ def package_versions() -> dict[str, str]:
 
 
 def share_options(run: MeasureRun, mods: dict[str, nn.Module],
-                  passes: dict[str, list[list[QuantOption]]] | None = None) -> dict[tuple[str, str], int]:
+                  passes: dict[str, list[list[QuantOption]]] | None = None,
+                  layer: int | None = None) -> dict[tuple[str, str], int]:
     """The rank that measures each (tensor, option) of ``mods``, in one process's option order, balanced by cost;
     {} with one rank.
 
@@ -81,6 +82,10 @@ def share_options(run: MeasureRun, mods: dict[str, nn.Module],
     The cost of an option is its seconds per weight measured on the earlier
     layers (every rank holds the same table) times the tensor's size; until each
     option has been timed once, a rough model (:func:`~mlx_dq.runtime.distributed.option_cost`).
+    ``layer`` (a decoder layer's options): the split also counts, once timed on earlier layers, the residual
+    importance a tensor's reference option brings to its rank and the carried copies each rank runs through the
+    layer anyway (:func:`carried_loads`). Why: without them one rank did most of the importance reruns and
+    the other waited for it in every layer.
     Any split gives the same measurement: only the time depends on it.
     """
     if not dist.active():
@@ -89,14 +94,60 @@ def share_options(run: MeasureRun, mods: dict[str, nn.Module],
                for p, mod in mods.items()}
     units = [(p, batch) for p, mod in mods.items()
              for batch in (passes[p] if passes is not None and p in passes else layer_passes(run, mod, fitting[p]))]
+    start = None
     if all(o.desc in run.rates for _, batch in units for o in batch):
-        costs = [sum(mods[p].weight.size * run.rates[o.desc][0] / run.rates[o.desc][1] for o in batch)
-                 for p, batch in units]
+        costs = [sum(mods[p].weight.size * _rate(run, o.desc) for o in batch) for p, batch in units]
+        if layer is not None:
+            for k, (p, batch) in enumerate(units):
+                if importance_option(run, p, fitting[p], int(mods[p].weight.shape[-1])) in {o.desc for o in batch}:
+                    costs[k] += mods[p].weight.size * _rate(run, importance_key(p))
+            start = carried_loads(run, layer)
     else:
         costs = [sum(dist.option_cost(tuple(mods[p].weight.shape), run.s.method, run.clip, o.keep16) for o in batch)
                  for p, batch in units]
-    rank_of = {(p, o.desc): r for (p, batch), r in zip(units, dist.split_by_cost(costs)) for o in batch}
+    rank_of = {(p, o.desc): r for (p, batch), r in zip(units, dist.split_by_cost(costs, start=start)) for o in batch}
     return {(p, o.desc): rank_of[(p, o.desc)] for p in mods for o in fitting[p]}
+
+
+def _rate(run: MeasureRun, key: str) -> float:
+    """Seconds per unit of ``run.rates[key]`` (0 until timed)."""
+    sec, n = run.rates.get(key, (0.0, 0))
+    return sec / n if n else 0.0
+
+
+def importance_key(path: str) -> str:
+    """The ``run.rates`` key of a tensor's residual importance rerun (per role: what it reruns depends on it)."""
+    return f"importance {role_of(path)}"
+
+
+def importance_option(run: MeasureRun, path: str, fitting: list[QuantOption], in_features: int) -> str | None:
+    """The option whose rank computes ``path``'s residual importance: its reference option, or its first fitting
+    option when the reference is not in the grid (:func:`~mlx_dq.measure.stream._measure_options`'s rule)."""
+    if run.s.importance != "residual" or not fitting:
+        return None
+    ref = reference_option(grid_options(run.grid_map, role_of(path), path), in_features).desc
+    return ref if any(o.desc == ref for o in fitting) else fitting[0].desc
+
+
+CARRIED_KEY = "carried copy"  # run.rates: seconds per carried copy and layer
+
+
+def carried_copies(run: MeasureRun, layer: int) -> list[int]:
+    """How many carried copies each rank runs through decoder ``layer`` (lookup tables' on rank 0, each sampled
+    earlier layer's on :func:`sample_owner`); the same on every rank."""
+    counts = [0] * dist.size()
+    if not run.kl_scale:
+        return counts
+    counts[0] += len(run.m.extra["importance"]["kl_scale"].get("lookups", {}))
+    for j in run.sample_layers:
+        if j < layer:
+            counts[sample_owner(run, j)] += 1
+    return counts
+
+
+def carried_loads(run: MeasureRun, layer: int) -> list[float]:
+    """Seconds each rank spends carrying copies through decoder ``layer`` (by the rate timed on earlier layers)."""
+    return [n * _rate(run, CARRIED_KEY) for n in carried_copies(run, layer)]
 
 
 def layer_passes(run: MeasureRun, mod: nn.Module, options: list[QuantOption]) -> list[list[QuantOption]]:
@@ -117,16 +168,23 @@ def owned_options(owner: dict[tuple[str, str], int], path: str) -> set[str] | No
     return {d for (p, d), r in owner.items() if p == path and r == dist.rank()} if owner else None
 
 
-def learn_rates(run: MeasureRun, mods: dict[str, nn.Module], timings: dict[str, dict[str, float]]) -> None:
-    """Add every rank's option timings of this layer to ``run.rates`` (the same table on every rank)."""
+def learn_rates(run: MeasureRun, mods: dict[str, nn.Module], timings: dict[str, dict[str, float]],
+                carried: tuple[float, int] = (0.0, 0)) -> None:
+    """Add every rank's option timings of this layer (and importance reruns: :func:`importance_key`) to
+    ``run.rates``, per weight, and its ``carried`` (seconds, copies) run through the layer, per copy (the same table on
+    every rank)."""
     if not dist.active():
         return
-    for part in dist.gather_objects(timings):
+    for part, (sec_c, n_c) in dist.gather_objects((timings, carried)):
         for path, per in sorted(part.items()):
             for desc, sec in sorted(per.items()):
                 acc = run.rates.setdefault(desc, [0.0, 0])
                 acc[0] += sec
                 acc[1] += int(mods[path].weight.size)
+        if n_c:
+            acc = run.rates.setdefault(CARRIED_KEY, [0.0, 0])
+            acc[0] += sec_c
+            acc[1] += n_c
 
 
 def sample_owner(run: MeasureRun, i: int) -> int:

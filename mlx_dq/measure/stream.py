@@ -41,6 +41,7 @@ from mlx_dq.measure.records import (
 from mlx_dq.measure.run import (
     MeasureRun,
     grid_options,
+    importance_key,
     learn_rates,
     owned_options,
     package_versions,
@@ -265,10 +266,11 @@ def _measure_layer(run: MeasureRun, i: int) -> None:
     for k in run.carried:  # perturbed copies of earlier layers travel on through this one
         run.carried[k] = layer(run.carried[k], *call0[0], **call0[1]).astype(mx.float32)
         mx.eval(run.carried[k])
-    records, refs, owner, timings = _measure_options(run, mods, col)
+    carried = (time.perf_counter() - t1, len(run.carried))
+    records, refs, owner, timings = _measure_options(run, mods, col, i)
     col.release()  # the Grams are not read again (1 GB at Llama-3-8B shapes): the importance pass records its inputs
     t2 = time.perf_counter()
-    _layer_importance(run, i, mods, records, refs, owner, timings)
+    _layer_importance(run, i, mods, records, refs, owner, timings, carried)
     run.hidden = new_hidden
     del new_hidden, refs, col
     runner.free(i)
@@ -283,12 +285,13 @@ def _measure_layer(run: MeasureRun, i: int) -> None:
     _save_layer(run, i)
 
 
-def _measure_options(run: MeasureRun, mods: dict[str, nn.Module], col: GramCollector) -> tuple[list, dict, dict, dict]:
-    """Every option of every tensor of a layer (this rank's share): records, the reference options' weights for
-    importance, the option owners and this rank's option seconds (path -> option -> s)."""
+def _measure_options(run: MeasureRun, mods: dict[str, nn.Module], col: GramCollector,
+                     i: int) -> tuple[list, dict, dict, dict]:
+    """Every option of every tensor of decoder layer ``i`` (this rank's share): records, the reference options'
+    weights for importance, the option owners and this rank's option seconds (path -> option -> s)."""
     s = run.s
     records, refs, timings = [], {}, {}
-    owner = share_options(run, mods)  # {} with one rank
+    owner = share_options(run, mods, layer=i)  # {} with one rank
 
     grid = {p: grid_options(run.grid_map, role_of(p), p) for p in mods}
     refs_opt = {p: reference_option(grid[p], int(mod.weight.shape[-1])) for p, mod in mods.items()}
@@ -322,19 +325,23 @@ def _measure_options(run: MeasureRun, mods: dict[str, nn.Module], col: GramColle
 
 
 def _layer_importance(run: MeasureRun, i: int, mods: dict[str, nn.Module], records: list, refs: dict,
-                      owner: dict, timings: dict) -> None:
+                      owner: dict, timings: dict, carried: tuple[float, int]) -> None:
     """Residual importance of a layer's tensors, and (sampled layers) the perturbed copy carried to the logits.
 
-    When distributed, also gathers the layer's results and every rank's option ``timings``."""
+    When distributed, also gathers the layer's results and every rank's option ``timings`` (with the importance
+    reruns' seconds) and ``carried`` (seconds, copies carried through this layer)."""
     s, layer, call0 = run.s, run.runner.layers[i], run.runner.calls[0][i]
     hidden = run.hidden
     imp = {}
     if s.importance == "residual" and refs:
-        imp = residual_importance(layer, hidden[:run.n_imp], call0, mods, refs, s.expert_mode)
+        seconds: dict[str, float] = {}
+        imp = residual_importance(layer, hidden[:run.n_imp], call0, mods, refs, s.expert_mode, seconds)
+        for path, sec in seconds.items():
+            timings[path][importance_key(path)] = sec
     if owner:  # gather every rank's options, importances (and the sampled layers' references)
         records[:], imp, refs = dist.gather_layer(
             records, imp, refs if run.kl_scale and i in run.sample_layers else {}, owner, list(mods))
-        learn_rates(run, mods, timings)  # once every rank is past its share
+        learn_rates(run, mods, timings, carried)  # once every rank is past its share
     if s.importance != "residual":
         return
     for rec in records:

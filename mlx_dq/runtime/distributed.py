@@ -175,10 +175,11 @@ def barrier() -> None:
 # --------------------------------------------------------------------------
 # dividing work
 # --------------------------------------------------------------------------
-def split_by_cost(costs: Sequence[float], n: int | None = None) -> list[int]:
-    """The rank that does each item: longest first, each to the least loaded rank (deterministic)."""
+def split_by_cost(costs: Sequence[float], n: int | None = None, start: Sequence[float] | None = None) -> list[int]:
+    """The rank that does each item: longest first, each to the least loaded rank (deterministic); ``start``: each
+    rank's load before the items (work it has anyway, in the costs' units)."""
     n = size() if n is None else n
-    load = [0.0] * n
+    load = [float(x) for x in start] if start is not None else [0.0] * n
     owner = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i)):
         r = min(range(n), key=lambda r: (load[r], r))
