@@ -67,16 +67,15 @@ def measure_head(run: MeasureRun) -> None:
         free_table(head_mods[path])
     clock("lookup_tables_s")
     run.runner.load_outside(skip=lookup_only)
-    nlls = []
     with run.runner.collector(head_mods) as head_col:
-        for sl in iter_batches(s.rows, 1):  # one row, head_chunk positions at a time: logits are [chunk, vocab]
-            if not share.owns_row(sl.start):
-                continue
-            flush = lambda: share.flush(head_col, sl.start, owned=True)  # noqa: E731
-            if sl.start < run.n_imp:  # the base perplexity: the importance rows' logits only
-                nlls.append((sl.start, chunked_nll_sum(model, tokens[sl], run.hidden[sl], s.head_chunk, flush=flush)))
-            else:  # the other rows feed the head's Gram alone, without a logit
-                record_head_inputs(model, tokens[sl], run.hidden[sl], flush, s.head_chunk)
+        for sl in iter_batches(s.rows, 1):  # the head's Gram from this rank's rows, without a logit
+            if share.owns_row(sl.start):
+                record_head_inputs(model, tokens[sl], run.hidden[sl],
+                                   lambda: share.flush(head_col, sl.start, owned=True), s.head_chunk)
+    # the base perplexity: the importance rows' logits, head_chunk positions at a time, on the last rank (every rank
+    # holds those rows; rank 0 carries the lookup tables' copies to the logits below, so the last one has less to do)
+    nlls = [(r, chunked_nll_sum(model, tokens[r:r + 1], run.hidden[r:r + 1], s.head_chunk))
+            for r in range(run.n_imp)] if dist.rank() == dist.size() - 1 else []
     dist.reduce_stats(head_col)
     nll = 0.0
     for _, v in sorted(x for part in dist.gather_objects(nlls) for x in part):  # row order, as one process sums
