@@ -42,6 +42,7 @@ from mlx_dq.measure.run import (
     MeasureRun,
     grid_options,
     importance_key,
+    importance_option,
     learn_rates,
     owned_options,
     package_versions,
@@ -310,9 +311,9 @@ def _measure_options(run: MeasureRun, mods: dict[str, nn.Module], col: GramColle
     for (path, mod), (rec, kept) in zip(mods.items(), measured):
         opts, ref = grid[path], refs_opt[path]
         records.append(rec)
+        in_f = int(mod.weight.shape[-1])
         if s.importance == "residual" and owner and owner.get(
-                (path, ref.desc), owner.get((path, fitting_options(opts, int(mod.weight.shape[-1]))[0].desc))
-        ) != dist.rank():
+                (path, importance_option(run, path, fitting_options(opts, in_f), in_f))) != dist.rank():
             rec.extra["importance_ref"] = ref.desc  # another rank computes this tensor's importance
         elif s.importance == "residual":
             if kept[ref.desc] is None:  # the reference is not one of the grid's options
