@@ -232,7 +232,7 @@ GEN_CHILD = r"""
 import gc, json, os, resource, statistics, sys, time
 from pathlib import Path
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_dq.layers.kv_cache import generation_cache
 folder, prompt, max_tokens, repeats = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 SCALE = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
 def rss(key):
@@ -268,7 +268,7 @@ note = memory_note(model)
 text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
 runs, first = [], {}
 for i in range(repeats + 1):  # the first run warms up (and builds the CPU cache when it is on)
-    cache = make_prompt_cache(model)  # passed in so that its bytes can be told apart from the model's
+    cache = generation_cache(model)  # what mlx_dq generate uses; passed in so that its bytes can be told apart from the model's
     last = None
     for last in mlx_lm.stream_generate(model, tok, text, max_tokens=max_tokens, prompt_cache=cache):
         pass
@@ -359,7 +359,8 @@ def part_generate(report: list[str], args: argparse.Namespace) -> None:
                   "loading; after every run, the KV cache dropped: the CPU cache included). MLX peak: arrays at the "
                   "peak (weights, KV cache, activations, transients), over loading + the warm-up run (which builds "
                   "the CPU cache when it is on), and over the timed runs alone. KV cache: mlx-lm's prompt cache at the "
-                  "end of a run (float32 on the CPU, allocated 256 positions at a time); peak - KV: the timed runs' "
+                  "end of a run (`generation_cache`: float32 on the CPU with the CPU cache on, the weights' 16-bit "
+                  "dtype with it off; allocated 256 positions at a time); peak - KV: the timed runs' "
                   "peak without it, i.e. what the model itself takes. RSS: the process's peak RSS over loading + the "
                   "warm-up run and over the timed runs (VmHWM, reset before each span; ru_maxrss over everything, "
                   "not resettable, on macOS) minus "

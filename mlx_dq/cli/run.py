@@ -62,6 +62,7 @@ def generate(model_dir: str, prompt: str, max_tokens: int, temp: float, top_p: f
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
+    from mlx_dq.layers.kv_cache import generation_cache
     from mlx_dq.layers.mixed import memory_note
     from mlx_dq.loader import load
 
@@ -81,7 +82,7 @@ def generate(model_dir: str, prompt: str, max_tokens: int, temp: float, top_p: f
     elif not prompt:  # mlx-lm cannot start from no tokens at all
         raise InputError("the prompt is empty: give some text with --prompt (or use the chat template, --chat)")
     mlx_lm.generate(model, tokenizer, prompt, verbose=True, max_tokens=max_tokens,
-                    sampler=make_sampler(temp=temp, top_p=top_p))
+                    sampler=make_sampler(temp=temp, top_p=top_p), prompt_cache=generation_cache(model))
 
 
 def _stdin_text() -> str:

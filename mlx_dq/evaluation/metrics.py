@@ -283,8 +283,10 @@ def generation_speed(model: nn.Module, tokenizer, prompt: str = "The capital of 
     """Decode tokens per second of a short greedy generation with mlx-lm's ``stream_generate``."""
     from mlx_lm import stream_generate
 
+    from mlx_dq.layers.kv_cache import generation_cache
+
     last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prompt_cache=generation_cache(model)):
         pass
     if last is None:
         raise InputError("generation produced no tokens")

@@ -284,6 +284,11 @@ def mixed_layers(model: nn.Module) -> list[_MixedWeight]:
     return [m for _, m in model.named_modules() if isinstance(m, _MixedWeight)]
 
 
+def weights_dtype(layers: list[_MixedWeight]) -> mx.Dtype:
+    """The floating dtype the mixed layers were stored in (their scales'): the model's dtype on a Mac."""
+    return layers[0].parts[0][1].dtype if layers and layers[0].parts else mx.float16
+
+
 def memory_note(model: nn.Module) -> str | None:
     """One line on what the CPU float32 cache costs ``model``, or None when it does not apply (a GPU, no mixed
     layer): so that ``mlx_dq generate`` can say why memory exceeds the file size, and how to avoid it."""
@@ -298,7 +303,8 @@ def memory_note(model: nn.Module) -> str | None:
                 f"{packed / mib:,.0f} MiB packed ({kernels.CPU_CACHE_ENV}=0 keeps them at their file size; "
                 "decode and prefill are slower then)")
     return (f"mlx-dq: CPU float32 cache off: {len(layers)} mixed tensors stay at "
-            f"{packed / mib:,.0f} MiB packed ({cache / mib:,.0f} MiB saved)")
+            f"{packed / mib:,.0f} MiB packed ({cache / mib:,.0f} MiB saved); the KV cache is kept in "
+            f"{str(weights_dtype(layers)).removeprefix('mlx.core.')}")
 
 
 def _scale_dtype(qt: QuantizedTensor) -> mx.Dtype:
