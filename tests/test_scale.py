@@ -234,6 +234,26 @@ def test_carried_copies_kl_in_one_pass_equals_each_through_the_head(tmp_path, mo
     assert blocked.kl_many(mod, []) == [] and mod.weight is w
 
 
+def test_position_shares_of_the_carried_kl_join_to_one_pass(tmp_path):
+    """position_sums over consecutive shares of the positions (as ranks take them), joined in order, give
+    bit for bit kl_many's KLs and reference log-normaliser; a share of the positions is only that share."""
+    model, tokens, hidden, mod = _head_model(tmp_path, "llama")
+    rng = np.random.default_rng(3)
+    hs = [hidden + eps * mx.array(rng.standard_normal(hidden.shape).astype("float32")) for eps in (0.05, 0.3)]
+    one = head_kl_mod.HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
+    want, norm = one.kl_many(mod, hs), one.ref_norm(mod)
+    n = one.positions
+    for cuts in ([0, n // 2, n], [0, 5, n // 3, n]):
+        head = head_kl_mod.HeadKL(model, tokens, hidden, chunk=8, cache_bytes=0)
+        parts = [head.position_sums(mod, hs, slice(a, b)) for a, b in zip(cuts, cuts[1:])]
+        assert [int(p["m"].shape[0]) for p in parts] == [b - a for a, b in zip(cuts, cuts[1:])]
+        assert parts[0]["d"].shape == (2, cuts[1])
+        assert head.kls_from_sums(head.join_sums(parts)) == want
+        assert all(mx.array_equal(a, b).item() for a, b in zip(head.ref_norm(mod), norm))
+    half = head.position_sums(mod, hs, slice(0, n // 2))
+    assert head.kls_from_sums(head.join_sums([half, half])) != want  # the shares matter
+
+
 def test_chunked_tensor_kl_equals_direct(big_vocab):
     """``tensor_kl`` with small head chunks equals the KL computed from whole-model logits."""
     import mlx.nn as nn

@@ -72,10 +72,10 @@ def measure_head(run: MeasureRun) -> None:
             if share.owns_row(sl.start):
                 record_head_inputs(model, tokens[sl], run.hidden[sl],
                                    lambda: share.flush(head_col, sl.start, owned=True), s.head_chunk)
-    # the base perplexity: the importance rows' logits, head_chunk positions at a time, on the last rank (every rank
-    # holds those rows; rank 0 carries the lookup tables' copies to the logits below, so the last one has less to do)
+    # the base perplexity: the importance rows' logits, head_chunk positions at a time, each row on one rank (every
+    # rank holds those rows), summed in row order below
     nlls = [(r, chunked_nll_sum(model, tokens[r:r + 1], run.hidden[r:r + 1], s.head_chunk))
-            for r in range(run.n_imp)] if dist.rank() == dist.size() - 1 else []
+            for r in range(run.n_imp) if r % dist.size() == dist.rank()]
     dist.reduce_stats(head_col)
     nll = 0.0
     for _, v in sorted(x for part in dist.gather_objects(nlls) for x in part):  # row order, as one process sums
@@ -280,11 +280,26 @@ def _carried_kls(run: MeasureRun, head_kl: "HeadKL", mod: nn.Module | None) -> d
     """The KL of every copy this rank carried to the final hidden states (sampled layers and lookup tables), keyed
     as ``run.carried``, which they leave. One pass over the head ``mod``'s vocabulary for all of them
     (:meth:`HeadKL.kl_many`); each on its own through the whole head when the logits' module is not known."""
+    if mod is not None and dist.active():
+        return _carried_kls_shared(run, head_kl, mod)
     keys = sorted(run.carried)
     hiddens = [run.carried.pop(k) for k in keys]
     if mod is None:
         return {k: head_kl.kl(h) for k, h in zip(keys, hiddens)}
     return dict(zip(keys, head_kl.kl_many(mod, hiddens)))
+
+
+def _carried_kls_shared(run: MeasureRun, head_kl: "HeadKL", mod: nn.Module) -> dict[int, float]:
+    """:func:`_carried_kls` over several ranks: every copy goes to every rank, each rank runs the reference and
+    the copies on its share of the positions, and the per-position sums are joined in position order, so every
+    rank has every copy's KL, the same as one process's. Why: each rank ran the reference logits in full before
+    its own copies (a whole pass over the head per rank, most of the stage at 8B shapes)."""
+    copies = {k: v for part in dist.gather_objects({k: run.carried.pop(k) for k in sorted(run.carried)})
+              for k, v in part.items()}
+    keys = sorted(copies)
+    n, r, size = head_kl.positions, dist.rank(), dist.size()
+    mine = head_kl.position_sums(mod, [copies.pop(k) for k in keys], slice(n * r // size, n * (r + 1) // size))
+    return dict(zip(keys, head_kl.kls_from_sums(head_kl.join_sums(dist.gather_objects(mine)))))
 
 
 def _lookup_kls(run: MeasureRun, kls: dict[int, float]) -> dict[str, float]:

@@ -128,10 +128,12 @@ class HeadKL:
         """``hidden`` ``[rows, positions, channels]`` as one row: the norm and head act per position."""
         return hidden.reshape(1, self.positions, int(hidden.shape[-1]))
 
-    def spans(self, block_rows: int, vocab: int) -> list[slice]:
-        """Position slices of the flat rows for products with ``block_rows`` vocabulary rows: at most
-        ``chunk x vocab`` logits each, the bound of a :meth:`kl` call over the whole head."""
-        return list(iter_batches(self.positions, max(1, self.chunk * vocab // max(1, block_rows))))
+    def spans(self, block_rows: int, vocab: int, positions: slice | None = None) -> list[slice]:
+        """Slices of the flat rows' ``positions`` (default: all) for products with ``block_rows`` vocabulary rows:
+        at most ``chunk x vocab`` logits each, the bound of a :meth:`kl` call over the whole head."""
+        lo, hi = (0, self.positions) if positions is None else (positions.start, positions.stop)
+        return [slice(lo + c.start, lo + c.stop)
+                for c in iter_batches(hi - lo, max(1, self.chunk * vocab // max(1, block_rows)))]
 
     def blocks(self, mod: nn.Module) -> list[slice]:
         """Blocks of the head's vocabulary rows for :meth:`kl_many` (:func:`row_blocks`' blocks, or one)."""
@@ -146,9 +148,16 @@ class HeadKL:
         ``S = sum exp(r - M)``, ``D = sum exp(r - M) (r - q)`` and ``S' = sum exp(q - M')`` add up over blocks
         (rescaled when a maximum grows); then ``KL = D / S + (M' - M) + log(S' / S)``. Taking the log of the ratio
         keeps float32's error at the KL's scale, not at ``log(vocabulary)``'s."""
+        return self.kls_from_sums(self.position_sums(mod, hiddens, slice(0, self.positions)))
+
+    def position_sums(self, mod: nn.Module, hiddens: Sequence[mx.array], positions: slice) -> dict[str, mx.array]:
+        """:meth:`kl_many`'s per-position ``M``, ``S`` and, per hidden, ``M'``, ``S'``, ``D`` (``[hiddens,
+        n]``) for the flat ``positions`` only: each position's values do not depend on the others, so ranks can
+        take a share of the positions each and concatenate (:meth:`kls_from_sums`: the same as one process)."""
         w = mod.weight
         blocks = self.blocks(mod)
-        spans = self.spans(max(b.stop - b.start for b in blocks), int(w.shape[0]))
+        n = positions.stop - positions.start
+        spans = self.spans(max(b.stop - b.start for b in blocks), int(w.shape[0]), positions)
         hs = [self.flat(self.hidden)] + [self.flat(h) for h in hiddens]
         zeros = mx.zeros((1, self.positions), dtype=self.tokens.dtype)  # the lookup's output is replaced
         new = lambda: [mx.full((c.stop - c.start,), -mx.inf, dtype=mx.float32) for c in spans]  # noqa: E731
@@ -165,10 +174,22 @@ class HeadKL:
                         mq[c], sq[c], dot[c] = _online_other(mq[c], sq[c], dot[c], scale, e, r, q)
                     m[c] = m_new
                     mx.eval(m[c], s[c], *[x[c] for a in acc for x in a])
-        self._norm = mx.concatenate(m), mx.concatenate(s)
-        m_all, s_all = self._norm
-        return [((mx.concatenate(d) / s_all + (mx.concatenate(mq) - m_all) + mx.log(mx.concatenate(sq) / s_all))
-                 .sum().item()) / self.positions for mq, sq, d in acc]
+        cat = lambda xs: mx.concatenate(xs) if xs else mx.zeros((0,), dtype=mx.float32)  # noqa: E731
+        stack = lambda i: mx.stack([cat(a[i]) for a in acc]) if acc else mx.zeros((0, n), dtype=mx.float32)  # noqa: E731
+        return {"m": cat(m), "s": cat(s), "mq": stack(0), "sq": stack(1), "d": stack(2)}
+
+    def kls_from_sums(self, sums: dict[str, mx.array]) -> list[float]:
+        """Mean KL per position of each hidden from :meth:`position_sums` over every position (keeps ``M``, ``S``
+        for :meth:`ref_norm`)."""
+        self._norm = m_all, s_all = sums["m"], sums["s"]
+        return [((d / s_all + (mq - m_all) + mx.log(sq / s_all)).sum().item()) / self.positions
+                for mq, sq, d in zip(sums["mq"], sums["sq"], sums["d"])]
+
+    @staticmethod
+    def join_sums(parts: Sequence[dict[str, mx.array]]) -> dict[str, mx.array]:
+        """Ranks' :meth:`position_sums` of consecutive position shares, in order, as one process's."""
+        return {"m": mx.concatenate([p["m"] for p in parts]), "s": mx.concatenate([p["s"] for p in parts]),
+                **{k: mx.concatenate([p[k] for p in parts], axis=1) for k in ("mq", "sq", "d")}}
 
     def ref_norm(self, mod: nn.Module) -> tuple[mx.array, mx.array]:
         """The reference logits' maximum ``M`` and ``sum exp(r - M)`` per position, flat (one :meth:`kl_many` pass,
