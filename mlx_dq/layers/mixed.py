@@ -286,7 +286,7 @@ def mixed_layers(model: nn.Module) -> list[_MixedWeight]:
 
 def weights_dtype(layers: list[_MixedWeight]) -> mx.Dtype:
     """The floating dtype the mixed layers were stored in (their scales'): the model's dtype on a Mac."""
-    return layers[0].parts[0][1].dtype if layers and layers[0].parts else mx.float16
+    return _scale_dtype(layers[0]) if layers else mx.float16
 
 
 def memory_note(model: nn.Module) -> str | None:
@@ -307,7 +307,7 @@ def memory_note(model: nn.Module) -> str | None:
             f"{str(weights_dtype(layers)).removeprefix('mlx.core.')}")
 
 
-def _scale_dtype(qt: QuantizedTensor) -> mx.Dtype:
+def _scale_dtype(qt: QuantizedTensor | _MixedWeight) -> mx.Dtype:
     return qt.parts[0][1].dtype if qt.parts else mx.float16
 
 

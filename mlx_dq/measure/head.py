@@ -27,7 +27,6 @@ from mlx_dq.measure.run import (
     MeasureRun,
     grid_options,
     owned_options,
-    sample_owner,
     share_options,
 )
 from mlx_dq.measure.tensor import (
@@ -277,16 +276,18 @@ def _every_rank(pairs: list[tuple[OptionRecord, float]], only: set[str] | None) 
 
 
 def _carried_kls(run: MeasureRun, head_kl: "HeadKL", mod: nn.Module | None) -> dict[int, float]:
-    """The KL of every copy this rank carried to the final hidden states (sampled layers and lookup tables), keyed
-    as ``run.carried``, which they leave. One pass over the head ``mod``'s vocabulary for all of them
-    (:meth:`HeadKL.kl_many`); each on its own through the whole head when the logits' module is not known."""
+    """The KL of every carried copy (sampled layers and lookup tables), keyed as ``run.carried`` (which they leave),
+    on every rank. One pass over the head ``mod``'s vocabulary for all of them (:meth:`HeadKL.kl_many`; several
+    ranks share its positions); each copy on its own rank through the whole head when the logits' module is not
+    known."""
     if mod is not None and dist.active():
         return _carried_kls_shared(run, head_kl, mod)
     keys = sorted(run.carried)
     hiddens = [run.carried.pop(k) for k in keys]
-    if mod is None:
-        return {k: head_kl.kl(h) for k, h in zip(keys, hiddens)}
-    return dict(zip(keys, head_kl.kl_many(mod, hiddens)))
+    if mod is not None:
+        return dict(zip(keys, head_kl.kl_many(mod, hiddens)))
+    mine = {k: head_kl.kl(h) for k, h in zip(keys, hiddens)}
+    return {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
 
 
 def _carried_kls_shared(run: MeasureRun, head_kl: "HeadKL", mod: nn.Module) -> dict[int, float]:
@@ -303,21 +304,18 @@ def _carried_kls_shared(run: MeasureRun, head_kl: "HeadKL", mod: nn.Module) -> d
 
 
 def _lookup_kls(run: MeasureRun, kls: dict[int, float]) -> dict[str, float]:
-    """Each lookup table's KL per squared lookup error, from its copy carried to the final hidden states."""
+    """Each lookup table's KL per squared lookup error, from its copy carried to the final hidden states (``kls``:
+    every copy's KL)."""
     info = run.m.extra["importance"].get("kl_scale", {}).get("lookups", {})
-    mine = {p: kls[d["key"]] for p, d in info.items() if d["key"] in kls}
-    kls = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
-    for path, d in info.items():
-        d["kl"] = kls[path]
+    for d in info.values():
+        d["kl"] = kls[d["key"]]
     return {p: d["kl"] / d["err"] ** 2 if d["err"] > 0 else 0.0 for p, d in info.items()}
 
 
 def _kl_scale(run: MeasureRun, kls: dict[int, float]) -> float:
-    """Turn the sampled layers' carried perturbations (``kls``: their KL) into KL and rescale every importance to
-    nats; the scale."""
+    """Turn the sampled layers' carried perturbations (``kls``: every copy's KL) into KL and rescale every importance
+    to nats; the scale."""
     info = run.m.extra["importance"]["kl_scale"]
-    mine = {x["layer"]: kls[x["layer"]] for x in info["samples"] if sample_owner(run, x["layer"]) == dist.rank()}
-    kls = {k: v for part in dist.gather_objects(mine) for k, v in part.items()}
     for sample in info["samples"]:
         sample["kl"] = kls[sample["layer"]]
     pred = sum(x["predicted"] for x in info["samples"])
