@@ -285,3 +285,25 @@ def test_every_damaged_folder_ends_in_one_clean_line(made, tmp_path):
         shutil.rmtree(folder)
     assert not failures, "\n".join(failures)
     assert all(seen.values()), seen  # each command met damage it refused
+
+
+def test_an_output_of_the_bundled_gemma_name_finds_its_source(made, tmp_path, monkeypatch):
+    """``convert --model gemma3-270m`` records the name with kind "gguf"; eval must resolve it as the name."""
+    from mlx_dq.conversion import writer
+    from mlx_dq.model import sources
+
+    out = _copy(made["out"], tmp_path / "out")
+    manifest = _manifest(out)
+    manifest["provenance"]["source"].update(spec=sources.GEMMA_MODEL, kind="gguf", fingerprint="f" * 64)
+    (out / "mlx_dq.json").write_text(json.dumps(manifest))
+    asked = []
+
+    def resolve(spec):
+        asked.append(spec)
+        if spec != sources.GEMMA_MODEL:
+            raise ValueError(f"model path {spec} does not exist")
+        return type("S", (), {"fingerprint": lambda self: "f" * 64})()
+
+    monkeypatch.setattr(sources, "resolve", resolve)
+    assert writer.recorded_source(out) == sources.GEMMA_MODEL
+    assert asked == [sources.GEMMA_MODEL]
