@@ -24,15 +24,16 @@ GOAL_RATIO = 0.9  # the goal: mlx-dq's KL at most 0.9x the mlx-lm row's
 
 
 def read_runs(runs: dict[str, list[Path]]) -> dict[tuple[str, str], list[dict]]:
-    """(model, text) -> that text's rows of the model's quality.csv files (one model may have several runs)."""
-    out: dict[tuple[str, str], list[dict]] = {}
+    """(model, text) -> that text's rows of the model's quality.csv files (one model may have several runs; a row of
+    a later run replaces an earlier run's row of the same method, so a re-run row is listed after the run it mends)."""
+    out: dict[tuple[str, str], dict[str, dict]] = {}
     for model, folders in runs.items():
         for folder in folders:
             path = folder / "quality.csv" if folder.is_dir() else folder
             with path.open(newline="") as f:
                 for r in csv.DictReader(f):
-                    out.setdefault((model, r["text"]), []).append(r)
-    return out
+                    out.setdefault((model, r["text"]), {})[r["method"]] = r
+    return {k: list(v.values()) for k, v in out.items()}
 
 
 def ratios(rows: list[dict]) -> dict[tuple[float, str], tuple[float, dict, dict]]:

@@ -1,9 +1,10 @@
 """Where a plan loses out of sample: the damage the measurement predicted against the KL a part really causes.
 
 For each part of an mlx-dq output folder's plan (each role in each third of the layers, each layer, the
-tensors outside the layers; or ``--by tensor``, every tensor), puts that part's quantized weights alone into the
-float source and measures the KL divergence against the source on each evaluation text; beside it, the damage
-the measurement predicted for the planned options (the plan's objective is the sum over tensors). Extra
+tensors outside the layers; ``--by tensor``, every tensor; ``--by scope``, the whole decoder and the rest),
+puts that part's quantized weights alone into the float source and measures the KL divergence against the
+source on each evaluation text; beside it, the damage the measurement predicted for the planned options (the
+plan's objective is their sum, the embedding's and head's at the plan's ``head_damage_weight``). Extra
 measurements of the same model (e.g. one calibrated on the evaluation text's domain) add predicted columns, so
 a reader sees whether the measurement mispredicts a part on another text or only ranks it differently. Writes a
 CSV with one row per part and prints the table and the Spearman rank correlation of predicted and real damage.
@@ -71,9 +72,14 @@ def _dequantized(folder: str) -> nn.Module:
 
 
 def groups(rows: list[dict], by: str) -> list[tuple[str, str, list[dict]]]:
-    """(kind, label, member tensors): every tensor alone, or each role in each third of the layers and each layer."""
+    """(kind, label, member tensors): every tensor alone; the decoder against the tensors outside the layers
+    (embedding, head); or each role in each third of the layers and each layer."""
     if by == "tensor":
         return [("tensor", r["key"], [r]) for r in rows]
+    if by == "scope":
+        return [("scope", label, rs) for label, rs in (("decoder", [r for r in rows if r["layer"] is not None]),
+                                                       ("outside the layers", [r for r in rows if r["layer"] is None]))
+                if rs]
     out: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in rows:
         if r["layer"] is None:
@@ -114,8 +120,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--by", choices=["group", "tensor"], default="group",
-                    help="swap each role in each third of the layers and each layer (default), or every tensor")
+    ap.add_argument("--by", choices=["group", "tensor", "scope"], default="group",
+                    help="swap each role in each third of the layers and each layer (default), every tensor, or the "
+                         "whole decoder and the tensors outside it")
     ap.add_argument("-o", "--output", type=Path, required=True, help="CSV to write (one row per tensor)")
     args = ap.parse_args()
 

@@ -292,6 +292,39 @@ def test_measured_damage_overrides_importance_times_err() -> None:
     assert optimize(m, target, head_option=None).entry("lm_head").option == cheap.desc
 
 
+def test_embedding_and_head_damage_counts_at_the_head_weight() -> None:
+    """Measured head damage counts ``head_damage_weight`` of the decoder's: at 1.0 the dear head is worth its bits,
+    at the default 0.5 they go to the layers; the objective is the weighted sum; the decoder alone is unaffected."""
+    from mlx_dq.errors import InputError
+    from mlx_dq.plan.solver import HEAD_DAMAGE_WEIGHT, option_damage
+
+    m = Measurement()
+    layer = TensorRecord("model.layers.0.mlp.down_proj", (64, 1024), importance=1.0)
+    head = TensorRecord("lm_head", (64, 1024), role="embed_head", importance=1.0)
+    lo_opt, hi_opt = QuantOption.uniform(2, 64), QuantOption.uniform(4, 64)
+    for t, dmg in ((layer, (1.0, 0.0)), (head, (1.5, 0.0))):  # the head's step is worth 1.5, the layer's 1.0
+        for opt, d in zip((lo_opt, hi_opt), dmg):
+            t.options.append(_record(opt, opt.storage_bits(t.shape), t.numel, 0.1))
+            t.options[-1].damage = d
+        m.tensors[t.key] = t
+    target = (lo_opt.storage_bits(layer.shape) + hi_opt.storage_bits(layer.shape)) / 2 / layer.numel  # one step
+    whole = optimize(m, target, head_option=None, head_damage_weight=1.0)
+    assert whole.entry("lm_head").option == hi_opt.desc and whole.objective == pytest.approx(1.0)
+    assert HEAD_DAMAGE_WEIGHT == 0.5
+    half = optimize(m, target, head_option=None)
+    assert half.settings["head_damage_weight"] == 0.5
+    assert half.entry("lm_head").option == lo_opt.desc and half.entry(layer.key).option == hi_opt.desc
+    assert half.objective == pytest.approx(0.5 * 1.5)
+    assert option_damage(0.1, 1.0, 1.5) == 1.5  # the recorded damage itself is not changed
+    dec = _random(np.random.default_rng(5), 6, 4)
+    lo, hi, n = _range(dec)
+    assert [e.option for e in optimize(dec, (lo + hi) / 2 / n, head_damage_weight=0.1).tensors] == \
+        [e.option for e in optimize(dec, (lo + hi) / 2 / n, head_damage_weight=1.0).tensors]
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(InputError, match="head damage weight"):
+            optimize(m, target, head_option=None, head_damage_weight=bad)
+
+
 def test_joint_members_are_ordered_by_damage_at_the_plans_error_power() -> None:
     """A joint member's own damage (the keep rule's tie order) uses the optimizer's ``err_power``, not 2."""
     from types import SimpleNamespace

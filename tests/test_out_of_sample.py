@@ -67,3 +67,12 @@ def test_a_run_without_goal_rows_is_refused(oos, tmp_path):
     a = _write(tmp_path / "a", [("news", "mlx-lm uniform", "mlx-lm 4-bit g64", 4.5, 1.0)])
     res = CliRunner().invoke(oos.main, ["--run", f"m={a}", "-o", str(tmp_path / "r.md")])
     assert res.exit_code != 0 and "no (model, text) pair" in res.output
+
+
+def test_a_later_run_replaces_an_earlier_runs_row_of_the_same_method(oos, tmp_path):
+    first = _write(tmp_path / "first", _text("news", 1.4, 1.2))  # mlx-dq and mlx-lm rows of one run
+    again = _write(tmp_path / "again", [("news", "mlx-dq", "mlx-dq @3.5", 3.5, 0.8)])  # mlx-dq re-run alone
+    rows = oos.read_runs({"m": [first, again]})[("m", "news")]
+    assert sorted(r["method"] for r in rows) == ["mlx-dq + distill @3.5", "mlx-dq @3.5", "mlx-lm 4-bit g64"]
+    assert oos.ratios(rows)[(3.5, "mlx-dq")][0] == pytest.approx(0.8)
+    assert oos.ratios(oos.read_runs({"m": [again, first]})[("m", "news")])[(3.5, "mlx-dq")][0] == pytest.approx(1.4)

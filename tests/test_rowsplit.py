@@ -136,6 +136,25 @@ def test_row_splits_price_the_rows_with_the_plans_error_power():
     assert (got[1.0], got[2.0]) == (40, 3)
 
 
+def test_row_splits_price_the_rows_at_the_plans_head_weight():
+    """The rows' gain is weighted as the optimizer weighted the table's damage (``head_damage_weight``); a plan
+    that records no weight (older files) counts it whole."""
+    from types import SimpleNamespace
+    opts = [SimpleNamespace(option=QuantOption.parse(d), err=e, damage=None)
+            for d, e in (("1.0:3b_64g", 0.5), ("1.0:5b_64g", 0.1))]
+    m = SimpleNamespace(tensors={"embed": SimpleNamespace(importance=1.0, options=opts)})
+    n = HOT["embed"].counts.size
+    row_bits = extra_bits(QuantOption.parse("1.0:3b_64g"), n, (1000, 128)) / n
+    price = 1e-2 / row_bits  # rows of share >= 0.042 repay the whole gain (0.24), >= 0.083 half of it
+    got = {}
+    for weight in (None, 1.0, 0.5):
+        p = _plan("1.0:3b_64g")
+        p.multiplier, p.settings = price, {"err_power": 2.0, **({} if weight is None else {"head_damage_weight": weight})}
+        got[weight] = row_splits(p, HOT, m)["embed"]["rows"]
+        assert got[weight] == rows_worth_it(HOT["embed"], (weight or 1.0) * (0.5**2 - 0.1**2), price, row_bits)
+    assert (got[None], got[1.0], got[0.5]) == (3, 3, 2)
+
+
 def test_row_splits_need_a_budget_table_with_room_to_step_up():
     assert row_splits(_plan("1.0:3b_64g"), HOT)["embed"]["rows"] == 40  # no measurement: every candidate row
     assert row_splits(_plan("1.0:3b_64g", scope="head"), HOT) == {}  # a fixed head option stays as given

@@ -108,7 +108,8 @@ def row_splits(p: Plan, hot_rows: dict[str, HotRows], m: Measurement | None = No
     With the measurement ``m`` and the plan's damage-per-bit price, only the rows that repay their bits
     (:func:`mlx_dq.quant.rowsplit.rows_worth_it`, from the table's measured damage at both options); else every row.
     """
-    out, power = {}, float(p.settings.get("err_power", 2.0))  # the damage the optimizer saw
+    # the damage the optimizer saw (plans from before the head weight counted the table's damage whole)
+    out, power, weight = {}, float(p.settings.get("err_power", 2.0)), float(p.settings.get("head_damage_weight", 1.0))
     for e in p.tensors:
         hot = hot_rows.get(e.key)
         if hot is None or e.scope != "budget" or not hot.counts.size:
@@ -119,7 +120,7 @@ def row_splits(p: Plan, hot_rows: dict[str, HotRows], m: Measurement | None = No
             continue
         n, rec = int(hot.counts.size), (m.tensors.get(e.key) if m is not None else None)
         if rec is not None and p.multiplier:
-            gain = _damage_at(rec, opt, power) - _damage_at(rec, up, power)
+            gain = weight * (_damage_at(rec, opt, power) - _damage_at(rec, up, power))
             n = rows_worth_it(hot, gain, p.multiplier, extra_bits(opt, n, tuple(e.shape)) / n)
         if n:
             out[e.key] = {"option": up.desc, "rows": n, "extra_bits": extra_bits(opt, n, tuple(e.shape))}

@@ -23,6 +23,14 @@ budget. The plan reports objective, lower bound and gap.
 Scopes: decoder tensors share the budget; embedding and head (tied: one tensor)
 get ``head_option`` outside it, like ExLlamaV2's ``head_bits``; tensors kept in
 16-bit count 16 bits per weight in the budget.
+
+Embedding and head in the budget: their damage is measured end to end on the
+calibration text, the decoder's is predicted from residual importance; on text
+of other domains the decoder's real damage runs above its prediction while the
+embedding/head's does not, and on text like the calibration's the frequent-token
+rows cut the embedding's real damage well below its measurement. Their damage
+therefore counts ``head_damage_weight`` (default :data:`HEAD_DAMAGE_WEIGHT`) of
+the decoder's (docs/pipeline.md, "The head").
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from mlx_dq.plan.plan import Plan, PlanEntry
 from mlx_dq.quant.options import QuantOption
 
 DEFAULT_HEAD_OPTION = "1.0:6b_64g"
+HEAD_DAMAGE_WEIGHT = 0.5
 
 
 # --------------------------------------------------------------------------- problem
@@ -86,14 +95,18 @@ def _build(
     mlx_lm_compatible: bool,
     err_power: float,
     keep_outside_budget: bool = False,
+    head_damage_weight: float = HEAD_DAMAGE_WEIGHT,
 ) -> Problem:
     """Turn a measurement and the user's rules into knapsack items plus fixed entries."""
     if not isinstance(target_bpw, (int, float)) or not math.isfinite(target_bpw) or target_bpw <= 0:
         raise InputError(f"target bpw must be a positive number, got {target_bpw!r}")
+    if not isinstance(head_damage_weight, (int, float)) or not math.isfinite(head_damage_weight) \
+            or head_damage_weight <= 0:
+        raise InputError(f"head damage weight must be a positive number, got {head_damage_weight!r}")
     head_opt = QuantOption.parse(head_option) if isinstance(head_option, str) else head_option
     if mlx_lm_compatible and head_opt is not None and head_opt.is_mixed:
         raise InputError(f"head option {head_opt.desc} is mixed; --mlx-lm-compatible needs a whole-tensor option")
-    items, fixed = _items(m, head_opt, keep, mlx_lm_compatible, err_power)
+    items, fixed = _items(m, head_opt, keep, mlx_lm_compatible, err_power, head_damage_weight)
     kept = {e.key for e in fixed if e.scope == "kept"}
     keep_keys = _keep_keys(m, items, fixed, keep, keep_most_sensitive, parts, target_bpw, err_power)
     kept |= _apply_keeps(m, items, fixed, keep_keys, keep_outside_budget)
@@ -104,7 +117,7 @@ def _build(
         "keep_most_sensitive": keep_most_sensitive,
         "parts": None if parts is None else {k: list(v) for k, v in parts.items()},
         "mlx_lm_compatible": mlx_lm_compatible, "err_power": err_power,
-        "keep_outside_budget": keep_outside_budget,
+        "keep_outside_budget": keep_outside_budget, "head_damage_weight": float(head_damage_weight),
     }
     return Problem(items, fixed, sorted(kept), numel_budget, budget, float(target_bpw), settings)
 
@@ -121,7 +134,7 @@ def _head_entry(t: TensorRecord, head_opt: QuantOption, keep: Sequence[str]) -> 
 
 
 def _items(m: Measurement, head_opt: QuantOption | None, keep: Sequence[str], mlx_lm_compatible: bool,
-           err_power: float) -> tuple[list[Item], list[PlanEntry]]:
+           err_power: float, head_damage_weight: float = HEAD_DAMAGE_WEIGHT) -> tuple[list[Item], list[PlanEntry]]:
     """One knapsack item per measured tensor and per jointly measured module, and the head's fixed entries."""
     fixed: list[PlanEntry] = []
     items: list[Item] = []
@@ -137,13 +150,14 @@ def _items(m: Measurement, head_opt: QuantOption | None, keep: Sequence[str], ml
         if head_opt is not None and _head_scope(m, t):
             fixed.append(_head_entry(t, head_opt, keep))
             continue
+        weight = head_damage_weight if _head_scope(m, t) else 1.0
         recs = [r for r in t.options if allowed(r.option)]
         if not recs:
             raise InputError(f"tensor {t.key!r} has no usable option"
                              + (" (only mixed options were measured)" if mlx_lm_compatible else ""))
         items.append(Item(
             t.key, [t.key], t.numel, np.array([r.total_bits for r in recs], dtype=np.int64),
-            np.array([option_damage(r.err, t.importance, r.damage, err_power) for r in recs]), recs,
+            weight * np.array([option_damage(r.err, t.importance, r.damage, err_power) for r in recs]), recs,
             [r.err for r in recs],
         ))
     for g in m.groups.values():
@@ -526,6 +540,7 @@ def optimize(
     mlx_lm_compatible: bool = False,
     err_power: float = 2.0,
     keep_outside_budget: bool = False,
+    head_damage_weight: float = HEAD_DAMAGE_WEIGHT,
     effort: SolverEffort = SolverEffort(),
 ) -> Plan:
     """Plan one option per tensor: least predicted damage with stored bits <= target_bpw x weights.
@@ -535,12 +550,13 @@ def optimize(
     the N most sensitive tensors of each part (an int for every part, or part -> N,
     parts given by ``parts`` as part -> patterns or by :func:`mlx_dq.plan.keeprules.default_part`);
     ``mlx_lm_compatible`` allows whole-tensor options only; ``keep_outside_budget`` leaves kept
-    tensors out of the bpw budget (they still count in ``total_bpw``). ``effort``: the
+    tensors out of the bpw budget (they still count in ``total_bpw``). ``head_damage_weight``: what an
+    embedding's or head's measured damage counts against the decoder's (module docstring). ``effort``: the
     exchange rounds and the exact dynamic program's size (:class:`SolverEffort`).
     """
     t0 = time.perf_counter()
     p = _build(measurement, target_bpw, head_option, keep, keep_most_sensitive, parts, mlx_lm_compatible, err_power,
-               keep_outside_budget)
+               keep_outside_budget, head_damage_weight)
     check_range(p)
     pruned = [_prune(it) for it in p.items]
     pos, bound, lam = _lp_walk(p, pruned)
@@ -568,7 +584,7 @@ def build_problem(measurement: Measurement, target_bpw: float, **kw: Any) -> Pro
     ones); TypeError naming any other."""
     p = _build(measurement, target_bpw, kw.pop("head_option", DEFAULT_HEAD_OPTION), kw.pop("keep", ()),
                kw.pop("keep_most_sensitive", None), kw.pop("parts", None), kw.pop("mlx_lm_compatible", False),
-               kw.pop("err_power", 2.0))
+               kw.pop("err_power", 2.0), head_damage_weight=kw.pop("head_damage_weight", HEAD_DAMAGE_WEIGHT))
     if kw:
         raise TypeError(f"unexpected arguments: {sorted(kw)}")
     return p
