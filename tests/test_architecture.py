@@ -51,7 +51,8 @@ LONG_FUNCTIONS = {
 MAX_PARAMETERS = 10
 LONG_PARAMETER_LISTS = {
     "mlx_dq.conversion.pipeline.convert": "the Python API: its keyword options mirror the CLI's settings",
-    "mlx_dq.plan.solver.optimize": "the planning API: its keywords are the plan's rules, each recorded in the plan's settings (effort aside)",
+    "mlx_dq.plan.solver.optimize": "the planning API: its keywords are the plan's rules, each recorded in the "
+                                   "plan's settings (effort aside)",
 }
 
 
