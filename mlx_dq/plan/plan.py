@@ -41,7 +41,8 @@ class PlanEntry:
 class Plan:
     """One option per tensor plus the accounting that justifies it.
 
-    ``achieved_bpw``, ``objective`` (predicted damage), ``lower_bound`` and ``gap``
+    ``achieved_bpw``, ``objective`` (predicted damage, the embedding's and head's counted at
+    ``settings["head_damage_weight"]``), ``lower_bound`` and ``gap``
     cover the budget scope (decoder tensors, kept ones included); ``total_bpw``
     counts every tensor, head and embedding too. ``multiplier`` is the LP's
     damage-per-bit price at the budget (the Lagrange multiplier).
