@@ -359,11 +359,10 @@ def read_manifest(folder: str | Path, missing_ok: bool = False) -> dict | None:
 
 def _source_candidates(folder: Path, spec: str, kind: Any) -> list[str]:
     """Where a recorded source spec may be: itself, or (a relative local path from an older manifest) relative to
-    the output folder's parent, where ``convert --model SPEC -o FOLDER`` was most often run, and to this folder.
-    The bundled Gemma name is recorded as given with kind "gguf" and is resolved as a name, not a path."""
-    from mlx_dq.model.sources import GEMMA_MODEL
+    the output folder's parent, where ``convert --model SPEC -o FOLDER`` was most often run, and to this folder."""
+    from mlx_dq.model.sources import recorded_as_path
 
-    if kind not in ("folder", "gguf") or spec == GEMMA_MODEL or Path(spec).expanduser().is_absolute():
+    if not recorded_as_path(kind, spec) or Path(spec).expanduser().is_absolute():
         return [spec]
     out = []
     for base in (folder.resolve().parent, Path.cwd()):

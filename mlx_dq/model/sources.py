@@ -521,10 +521,16 @@ def resolve(spec: str) -> ModelSource:
     return _hub_source(spec)
 
 
+def recorded_as_path(kind: str | None, spec: str) -> bool:
+    """Whether a manifest records a source of this ``kind`` and ``spec`` as a local path: folders and ``.gguf``
+    files do; hub ids and bundled names (the Gemma one has kind "gguf") are recorded as given."""
+    return kind == "folder" or (kind == "gguf" and spec != GEMMA_MODEL)
+
+
 def recorded_spec(source: ModelSource) -> str:
     """The spec a manifest records for ``source``: a local folder or file as its absolute path (a relative one
     would resolve against whatever folder a later command runs in); hub ids and bundled names as given."""
-    if source.kind == "folder" or (source.kind == "gguf" and source.spec != GEMMA_MODEL):
+    if recorded_as_path(source.kind, source.spec):
         return str(Path(source.path).expanduser().resolve())
     return source.spec
 
@@ -546,6 +552,7 @@ __all__ = [
     "layer_index",
     "load_model",
     "normalize_config",
+    "recorded_as_path",
     "recorded_spec",
     "resolve",
 ]
