@@ -94,8 +94,8 @@ def _build(
     parts: Mapping[str, Sequence[str]] | None,
     mlx_lm_compatible: bool,
     err_power: float,
-    keep_outside_budget: bool = False,
-    head_damage_weight: float = HEAD_DAMAGE_WEIGHT,
+    keep_outside_budget: bool,
+    head_damage_weight: float,
 ) -> Problem:
     """Turn a measurement and the user's rules into knapsack items plus fixed entries."""
     if not isinstance(target_bpw, (int, float)) or not math.isfinite(target_bpw) or target_bpw <= 0:
@@ -134,7 +134,7 @@ def _head_entry(t: TensorRecord, head_opt: QuantOption, keep: Sequence[str]) -> 
 
 
 def _items(m: Measurement, head_opt: QuantOption | None, keep: Sequence[str], mlx_lm_compatible: bool,
-           err_power: float, head_damage_weight: float = HEAD_DAMAGE_WEIGHT) -> tuple[list[Item], list[PlanEntry]]:
+           err_power: float, head_damage_weight: float) -> tuple[list[Item], list[PlanEntry]]:
     """One knapsack item per measured tensor and per jointly measured module, and the head's fixed entries."""
     fixed: list[PlanEntry] = []
     items: list[Item] = []
@@ -147,10 +147,11 @@ def _items(m: Measurement, head_opt: QuantOption | None, keep: Sequence[str], ml
     for t in m.tensors.values():
         if t.key in grouped or t.key in tied_alias:
             continue
-        if head_opt is not None and _head_scope(m, t):
+        head = _head_scope(m, t)
+        if head and head_opt is not None:
             fixed.append(_head_entry(t, head_opt, keep))
             continue
-        weight = head_damage_weight if _head_scope(m, t) else 1.0
+        weight = head_damage_weight if head else 1.0
         recs = [r for r in t.options if allowed(r.option)]
         if not recs:
             raise InputError(f"tensor {t.key!r} has no usable option"
@@ -584,7 +585,7 @@ def build_problem(measurement: Measurement, target_bpw: float, **kw: Any) -> Pro
     ones); TypeError naming any other."""
     p = _build(measurement, target_bpw, kw.pop("head_option", DEFAULT_HEAD_OPTION), kw.pop("keep", ()),
                kw.pop("keep_most_sensitive", None), kw.pop("parts", None), kw.pop("mlx_lm_compatible", False),
-               kw.pop("err_power", 2.0), head_damage_weight=kw.pop("head_damage_weight", HEAD_DAMAGE_WEIGHT))
+               kw.pop("err_power", 2.0), False, kw.pop("head_damage_weight", HEAD_DAMAGE_WEIGHT))
     if kw:
         raise TypeError(f"unexpected arguments: {sorted(kw)}")
     return p
