@@ -118,14 +118,19 @@ def _plan(option: str, scope: str = "budget") -> Plan:
                 budget_bits=int(3.6 * 136192), used_bits=used, numel=136192, total_bpw=used / 136192, tensors=entries)
 
 
-def test_row_splits_price_the_rows_with_the_plans_error_power():
-    """The rows' gain is the damage the optimizer saw: ``importance * err ** err_power`` with the plan's power."""
+def _table_measured_at_two_options():
+    """A measurement of the table "embed" at 3 bits (error 0.5) and 5 bits (0.1), and one hot row's extra bits."""
     from types import SimpleNamespace
     opts = [SimpleNamespace(option=QuantOption.parse(d), err=e, damage=None)
             for d, e in (("1.0:3b_64g", 0.5), ("1.0:5b_64g", 0.1))]
-    m = SimpleNamespace(tensors={"embed": SimpleNamespace(importance=1.0, options=opts)})
     n = HOT["embed"].counts.size
-    row_bits = extra_bits(QuantOption.parse("1.0:3b_64g"), n, (1000, 128)) / n
+    return (SimpleNamespace(tensors={"embed": SimpleNamespace(importance=1.0, options=opts)}),
+            extra_bits(QuantOption.parse("1.0:3b_64g"), n, (1000, 128)) / n)
+
+
+def test_row_splits_price_the_rows_with_the_plans_error_power():
+    """The rows' gain is the damage the optimizer saw: ``importance * err ** err_power`` with the plan's power."""
+    m, row_bits = _table_measured_at_two_options()
     price = 6e-4 / row_bits  # the rarest rows (share 0.002) repay a gain of 0.4 (power 1), not one of 0.24 (power 2)
     got = {}
     for power in (1.0, 2.0):
@@ -139,12 +144,7 @@ def test_row_splits_price_the_rows_with_the_plans_error_power():
 def test_row_splits_price_the_rows_at_the_plans_head_weight():
     """The rows' gain is weighted as the optimizer weighted the table's damage (``head_damage_weight``); a plan
     that records no weight (older files) counts it whole."""
-    from types import SimpleNamespace
-    opts = [SimpleNamespace(option=QuantOption.parse(d), err=e, damage=None)
-            for d, e in (("1.0:3b_64g", 0.5), ("1.0:5b_64g", 0.1))]
-    m = SimpleNamespace(tensors={"embed": SimpleNamespace(importance=1.0, options=opts)})
-    n = HOT["embed"].counts.size
-    row_bits = extra_bits(QuantOption.parse("1.0:3b_64g"), n, (1000, 128)) / n
+    m, row_bits = _table_measured_at_two_options()
     price = 1e-2 / row_bits  # rows of share >= 0.042 repay the whole gain (0.24), >= 0.083 half of it
     got = {}
     for weight in (None, 1.0, 0.5):
