@@ -338,3 +338,22 @@ def test_joint_members_are_ordered_by_damage_at_the_plans_error_power() -> None:
     assert _member_sensitivity(it, "a", m, 3.5, 1.0) == pytest.approx(3.0 * 0.5)
     assert _member_sensitivity(it, "a", m, 3.5, 2.0) == pytest.approx(3.0 * 0.25)
     assert _member_sensitivity(it, "a", m, 5.4, 3.0) == pytest.approx(3.0 * 0.1**3)
+
+
+def test_build_problem_takes_keep_outside_budget_as_optimize_does() -> None:
+    """The planning baselines build their problem with optimize's keywords; a kept tensor outside the budget must
+    leave the budget as optimize leaves it (it was refused with a TypeError before)."""
+    from mlx_dq.plan.solver import build_problem
+
+    m = _random(np.random.default_rng(5), 6, 4)
+    kept = "model.layers.0.mlp.down_proj"
+    lo, hi, n = _range(m)
+    target = (lo + hi) / 2 / n
+    inside = build_problem(m, target, keep=[kept])
+    outside = build_problem(m, target, keep=[kept], keep_outside_budget=True)
+    plan = optimize(m, target, keep=[kept], keep_outside_budget=True)
+    assert outside.settings["keep_outside_budget"] is True and inside.settings["keep_outside_budget"] is False
+    assert outside.budget == plan.budget_bits
+    assert outside.numel == inside.numel - m.tensors[kept].numel
+    with pytest.raises(TypeError, match="unexpected"):
+        build_problem(m, target, no_such_option=1)

@@ -585,7 +585,8 @@ def build_problem(measurement: Measurement, target_bpw: float, **kw: Any) -> Pro
     ones); TypeError naming any other."""
     p = _build(measurement, target_bpw, kw.pop("head_option", DEFAULT_HEAD_OPTION), kw.pop("keep", ()),
                kw.pop("keep_most_sensitive", None), kw.pop("parts", None), kw.pop("mlx_lm_compatible", False),
-               kw.pop("err_power", 2.0), False, kw.pop("head_damage_weight", HEAD_DAMAGE_WEIGHT))
+               kw.pop("err_power", 2.0), kw.pop("keep_outside_budget", False),
+               kw.pop("head_damage_weight", HEAD_DAMAGE_WEIGHT))
     if kw:
         raise TypeError(f"unexpected arguments: {sorted(kw)}")
     return p
