@@ -13,7 +13,14 @@ from click.testing import CliRunner
 
 import mlx_dq
 from mlx_dq.cli import main
-from mlx_dq.conversion.distill import distill
+from mlx_dq.conversion.distill import (
+    KL_PASS_BYTES,
+    _Teacher,
+    distill,
+    kl_pass_rows,
+    make_student,
+    mean_kl,
+)
 from mlx_dq.conversion.pipeline import convert
 from mlx_dq.data import calib
 from mlx_dq.evaluation import metrics as evaluate
@@ -297,3 +304,20 @@ def test_convert_estimate_counts_the_distillation(tiny_llama, tmp_path):
 
     assert total(with_d.output) > total(plain.output)
     assert not (tmp_path / "o").exists()
+
+
+def test_kl_passes_over_several_rows_give_the_one_row_mean(tiny_llama, llama_q):
+    """The before/after KL goes through several rows per forward (each forward dequantizes every layer); the mean
+    must be the one-row-at-a-time mean, also when the last pass is short."""
+    base, tok, _ = load_model(str(tiny_llama), dtype=mx.float32)
+    _, rows = calib.calibration_rows(tok, None, 5, 32, 0)
+    model, _ = mlx_dq.load(llama_q)
+    make_student(model)
+    teacher = _Teacher(base, rows, 1.0, 1 << 30)
+    one = mean_kl(model, teacher, rows, per_pass=1)
+    assert one > 0
+    for per_pass in (2, 5):
+        assert mean_kl(model, teacher, rows, per_pass=per_pass) == pytest.approx(one, rel=1e-5)
+    assert kl_pass_rows(40, 128, 16) == 40
+    assert kl_pass_rows(40, 128, 262_144) == max(1, KL_PASS_BYTES // (127 * 262_144 * 4)) == 2
+    assert kl_pass_rows(40, 4096, 262_144) == 1

@@ -199,8 +199,8 @@ class _Teacher:
     def __init__(self, model: nn.Module, rows: mx.array, temperature: float, cache_bytes: int):
         self.model, self.rows, self.t = model, rows, temperature
         n, seq = rows.shape
-        vocab = int(model(rows[:1, :2]).shape[-1])
-        self.keep = n * (seq - 1) * vocab * 4 <= cache_bytes
+        self.vocab = int(model(rows[:1, :2]).shape[-1])
+        self.keep = n * (seq - 1) * self.vocab * 4 <= cache_bytes
         self.cache: dict[int, mx.array] = {}
 
     def __call__(self, idx: list[int]) -> mx.array:
@@ -217,14 +217,28 @@ class _Teacher:
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
 
 
+# Bytes of float32 logits one pass of :func:`mean_kl` may hold. Why: every student forward dequantizes every layer
+# (the head too), 1.5 of its 2 s per 128-token row at SmolLM2-135M, so rows go through together; the cap keeps a
+# large vocabulary's logits (Gemma-3's 262,144) to a few rows.
+KL_PASS_BYTES = 256 << 20
+
+
+def kl_pass_rows(n_rows: int, seq_len: int, vocab: int) -> int:
+    """Rows per forward of :func:`mean_kl`: as many as keep their logits under :data:`KL_PASS_BYTES`, at least one."""
+    return max(1, min(n_rows, KL_PASS_BYTES // max(1, (seq_len - 1) * vocab * 4)))
+
+
 def mean_kl(model: nn.Module, teacher: Callable[[list[int]], mx.array], rows: mx.array,
-            temperature: float = 1.0) -> float:
-    """Mean KL(teacher || model) over every position of ``rows`` (one row at a time, no gradients)."""
-    total = 0.0
-    for i in range(rows.shape[0]):
-        loss = kl_loss(model(rows[i : i + 1, :-1]), teacher([i]), temperature)
-        total += float(loss.item())
-    return total / rows.shape[0]
+            temperature: float = 1.0, per_pass: int = 1) -> float:
+    """Mean KL(teacher || model) over every position of ``rows``, ``per_pass`` rows per forward (no gradients).
+
+    Every row has the same length, so the mean over a pass's positions is the mean of its rows' means."""
+    total, n = 0.0, int(rows.shape[0])
+    for start in range(0, n, per_pass):
+        idx = list(range(start, min(n, start + per_pass)))
+        loss = kl_loss(model(rows[start : idx[-1] + 1, :-1]), teacher(idx), temperature)
+        total += float(loss.item()) * len(idx)
+    return total / n
 
 
 def train(model: nn.Module, teacher: Callable[[list[int]], mx.array], rows: mx.array, s: DistillSettings,
@@ -427,8 +441,9 @@ def distill_model(model: nn.Module, base: nn.Module, tokens: mx.array, settings:
         f"{f', {len(norms)} norms' if norms else ''}) on {tokens.shape[0]} x {tokens.shape[1]} calibration tokens, "
         f"{s.steps} steps")
     teacher = _Teacher(base, tokens, s.temperature, TEACHER_CACHE_BYTES)
+    per_pass = kl_pass_rows(int(tokens.shape[0]), int(tokens.shape[1]), teacher.vocab)
     try:
-        kl_before = mean_kl(model, teacher, tokens, s.temperature)
+        kl_before = mean_kl(model, teacher, tokens, s.temperature, per_pass)
         say(f"KL on the training rows before: {kl_before:.5f}")
         log = train(model, teacher, tokens, s, progress=progress, say=say)
         updates: dict[str, mx.array] = {}
@@ -444,7 +459,7 @@ def distill_model(model: nn.Module, base: nn.Module, tokens: mx.array, settings:
     # the KL after, with the values exactly as stored (16-bit scales and biases), through the same float32 path
     make_student(model)
     try:
-        kl_after = mean_kl(model, teacher, tokens, s.temperature)
+        kl_after = mean_kl(model, teacher, tokens, s.temperature, per_pass)
     finally:
         _put_back(model, layers, dtypes)
     say(f"KL on the training rows after: {kl_after:.5f}")
@@ -520,5 +535,5 @@ def distill(
     return record
 
 
-__all__ = ["DistillSettings", "distill", "distill_folder", "distill_model", "kl_loss", "make_student", "mean_kl", "quantized_layers",
+__all__ = ["DistillSettings", "distill", "distill_folder", "distill_model", "kl_loss", "kl_pass_rows", "make_student", "mean_kl", "quantized_layers",
            "source_spec", "store_in_place", "train"]
