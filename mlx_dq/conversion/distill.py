@@ -235,9 +235,9 @@ def mean_kl(model: nn.Module, teacher: Callable[[list[int]], mx.array], rows: mx
     Every row has the same length, so the mean over a pass's positions is the mean of its rows' means."""
     total, n = 0.0, int(rows.shape[0])
     for start in range(0, n, per_pass):
-        idx = list(range(start, min(n, start + per_pass)))
-        loss = kl_loss(model(rows[start : idx[-1] + 1, :-1]), teacher(idx), temperature)
-        total += float(loss.item()) * len(idx)
+        stop = min(n, start + per_pass)
+        loss = kl_loss(model(rows[start:stop, :-1]), teacher(list(range(start, stop))), temperature)
+        total += float(loss.item()) * (stop - start)
     return total / n
 
 

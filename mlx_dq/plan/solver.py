@@ -35,6 +35,7 @@ the decoder's (docs/pipeline.md, "The head").
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -583,11 +584,14 @@ def optimize(
 def build_problem(measurement: Measurement, target_bpw: float, **kw: Any) -> Problem:
     """The knapsack problem from :func:`optimize`'s keyword options (for planning baselines, which take the same
     ones); TypeError naming any other."""
-    p = _build(measurement, target_bpw, kw.pop("head_option", DEFAULT_HEAD_OPTION), kw.pop("keep", ()),
-               kw.pop("keep_most_sensitive", None), kw.pop("parts", None), kw.pop("mlx_lm_compatible", False),
-               kw.pop("err_power", 2.0), kw.pop("keep_outside_budget", False),
-               kw.pop("head_damage_weight", HEAD_DAMAGE_WEIGHT))
-    if kw:
-        raise TypeError(f"unexpected arguments: {sorted(kw)}")
-    return p
+    unknown = sorted(set(kw) - set(_PROBLEM_KEYWORDS))
+    if unknown:
+        raise TypeError(f"unexpected arguments: {unknown}")
+    defaults = inspect.signature(optimize).parameters  # one place for the defaults: a restated copy went stale once
+    return _build(measurement, target_bpw, *(kw.get(k, defaults[k].default) for k in _PROBLEM_KEYWORDS))
+
+
+# optimize's keywords that shape the problem, in _build's order (``effort`` only says how hard to solve it)
+_PROBLEM_KEYWORDS = ("head_option", "keep", "keep_most_sensitive", "parts", "mlx_lm_compatible", "err_power",
+                     "keep_outside_budget", "head_damage_weight")
 
