@@ -25,7 +25,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.quant import awq
 
 from mlx_dq.data.calib import calibration_rows
+from mlx_dq.errors import MlxDqError
 from mlx_dq.model.sources import resolve
+from mlx_dq.safety import guard_output_folder, make_partial_folder, publish_folder
 
 
 def _capturing(module: nn.Module) -> nn.Module:
@@ -48,6 +50,8 @@ def equalise(spec: str, dst: Path, bits: int, rows: int, seq_len: int, n_grid: i
     config = awq.AWQ_MODEL_CONFIGS.get(src.config["model_type"])
     if config is None:
         raise SystemExit(f"mlx-lm's AWQ has no scale configuration for {src.config['model_type']!r}")
+    # never into the source or a non-empty folder; built in a partial sibling so a killed run looks unfinished
+    guard_output_folder(dst, force=False, protected=[("source model", src.path)])
     model = src.model(mx.float32)
     _, tokens = calibration_rows(src.tokenizer(), None, rows, seq_len, 0)
     inner = model.model
@@ -73,11 +77,12 @@ def equalise(spec: str, dst: Path, bits: int, rows: int, seq_len: int, n_grid: i
         drift = float(mx.abs(out - awq.run_layer(block, h, mask=mask)).max())
         print(f"layer {i}: max |output change| {drift:.2e}, {time.perf_counter() - t0:.0f} s", flush=True)
         h = out
-    dst.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(dst / "model.safetensors"), dict(tree_flatten(model.parameters())),
+    tmp = make_partial_folder(dst)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
-    (dst / "config.json").write_text(json.dumps(src.config, indent=1))
-    src.save_tokenizer(dst)
+    (tmp / "config.json").write_text(json.dumps(src.config, indent=1))
+    src.save_tokenizer(tmp)
+    publish_folder(tmp, dst)
     print(f"wrote {dst}")
 
 
@@ -90,7 +95,10 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--grid", type=int, default=20, help="exponents tried per scale group (mlx-lm's n_grid)")
     a = ap.parse_args()
-    equalise(a.model, a.output, a.bits, a.rows, a.seq_len, a.grid)
+    try:
+        equalise(a.model, a.output, a.bits, a.rows, a.seq_len, a.grid)
+    except MlxDqError as e:  # a bad model or output folder: one line, as the CLI says it
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":
