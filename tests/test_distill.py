@@ -321,35 +321,3 @@ def test_kl_passes_over_several_rows_give_the_one_row_mean(tiny_llama, llama_q):
     assert kl_pass_rows(40, 128, 16) == 40
     assert kl_pass_rows(40, 128, 262_144) == max(1, KL_PASS_BYTES // (127 * 262_144 * 4)) == 2
     assert kl_pass_rows(40, 4096, 262_144) == 1
-
-
-def test_permuted_layers_train_as_their_weight_in_original_order(llama_q):
-    """A mixed layer's inputs are gathered into the weight's stored channel order instead of its weight's columns
-    into the original one: same outputs and same gradients of its scales and biases as ``x @ weight().T``."""
-    import mlx.nn as nn
-
-    model, _ = mlx_dq.load(llama_q)
-    student, _ = make_student(model)
-    permuted = {p: t for p, t in student.items() if t._fixed.perm is not None}
-    assert permuted, "the fixture has no permuted layer: the test would check nothing"
-    for path, layer in permuted.items():
-        rng = np.random.default_rng(0)
-        layer.a = [mx.array(rng.normal(0, 0.1, a.shape).astype(np.float32)) for a in layer.a]
-        layer.c = [mx.array(rng.normal(0, 0.1, c.shape).astype(np.float32)) for c in layer.c]
-        n_in = int(layer.weight().shape[-1])
-        x = mx.array(rng.normal(size=(2, 5, n_in)).astype(np.float32))
-        call = layer.as_linear if layer.kind == "embedding" else layer
-        if "bias" in layer:
-            layer.bias = mx.zeros_like(layer.bias)
-
-        def new(m: nn.Module) -> mx.array:
-            return ((call(x) - 1.0) ** 2).sum()
-
-        def old(m: nn.Module) -> mx.array:
-            return ((x @ m.weight().T - 1.0) ** 2).sum()
-
-        (y_new, g_new), (y_old, g_old) = (nn.value_and_grad(layer, f)(layer) for f in (new, old))
-        np.testing.assert_allclose(np.array(y_new), np.array(y_old), rtol=1e-5, err_msg=path)
-        for name in ("a", "c"):
-            for gn, go in zip(g_new[name], g_old[name]):
-                np.testing.assert_allclose(np.array(gn), np.array(go), rtol=1e-4, atol=1e-5, err_msg=f"{path}.{name}")

@@ -102,17 +102,6 @@ class _Trainable(nn.Module):
         f = self._fixed
         return kernels.dequantize_parts(self._params(rows), f.bits, f.group_sizes, f.perm)
 
-    def _stored_weight(self) -> mx.array:
-        """The float32 weight with its input channels in stored order (the permutation not applied)."""
-        f = self._fixed
-        return kernels.dequantize_parts(self._params(), f.bits, f.group_sizes, None)
-
-    def _stored_order(self, x: mx.array) -> mx.array:
-        """``x``'s channels in the weight's stored order: ``x @ W^T == x[..., perm] @ W_stored^T``. Why: gathering
-        a few rows of inputs instead of the whole weight's columns (and scattering its gradient back) halved
-        the cost of a mixed layer's weight per training step."""
-        return x if self._fixed.perm is None else mx.take(x, self._fixed.perm, axis=-1)
-
     def trained(self) -> dict[str, mx.array]:
         """The trained scales and biases under their stored names, in their stored dtypes."""
         out = {}
@@ -122,18 +111,17 @@ class _Trainable(nn.Module):
 
     def as_linear(self, x: mx.array) -> mx.array:
         """``x @ W^T``: the tied output head."""
-        return self._stored_order(x) @ self._stored_weight().T
+        return x @ self.weight().T
 
     def __call__(self, x: mx.array, indices: mx.array | None = None, sorted_indices: bool = False) -> mx.array:
         if self.kind == "embedding":
             return self.weight(x)
-        x, w = self._stored_order(x), self._stored_weight()
         if self.kind == "switch":
-            y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+            y = mx.gather_mm(x, self.weight().swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
             if "bias" in self:
                 y = y + mx.expand_dims(self["bias"][indices], -2)
             return y
-        y = x @ w.T
+        y = x @ self.weight().T
         return y + self["bias"] if "bias" in self else y
 
 
