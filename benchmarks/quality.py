@@ -761,9 +761,9 @@ def main(spec: str, text_names: str, rows: int, seq_len: int, batch_size: int, s
     if only != "report":
         model, tokenizer, config = load_model(spec, dtype=mx.float32)
         eval_rows = {n: calib.sample_rows(tokenizer, t, rows, seq_len, seed) for n, (t, _) in eval_sets.items()}
-        cal_texts = calib.default_calibration_texts()
-        c_rows = calib.sample_rows(tokenizer, cal_texts, calib_rows, calib_seq_len, seed)
-        lm_rows = calib.sample_rows(tokenizer, cal_texts, lm_calib_rows, lm_calib_seq_len, seed)
+        # mlx-lm's calibrated methods get the rows mlx-dq's measure and convert draw from the same text
+        c_rows = calib.calibration_rows(tokenizer, None, calib_rows, calib_seq_len, seed)[1]
+        lm_rows = calib.calibration_rows(tokenizer, None, lm_calib_rows, lm_calib_seq_len, seed)[1]
         dwq_rows = calib.calibration_rows(tokenizer, d_settings.calib, d_settings.rows, d_settings.seq_len,
                                           d_settings.seed)[1]  # the rows mlx-dq's distillation trains on
     refs: dict[str, evaluate.Reference] = {}

@@ -85,7 +85,9 @@ class MeasureSettings(_Settings):
     seed: int = 0
     grid: str | Path | None = None
     importance: str = "residual"
-    importance_rows: int = 4
+    # One row of each of the five bundled calibration files (the rows are interleaved file by file,
+    # calib.sample_rows_balanced): the tensors' importance is priced on every kind of text, not on one.
+    importance_rows: int = 5
     batch_size: int = 4
     expert_mode: str = "per_expert"
     clip: bool | None = None

@@ -270,3 +270,82 @@ def test_rows_start_with_the_start_token_when_the_tokenizer_adds_one():
     assert (rows[:, 0] == 999).all() and 999 not in rows[:, 1:]
     np.testing.assert_array_equal(rows[:, 1:], plain)  # the same text windows, one shorter
     assert (np.diff(rows[:, 1:], axis=1) == 1).all()
+
+
+# -- sample_rows_balanced ------------------------------------------------------------
+
+
+def _source_of(rows: np.ndarray, bounds: list[int]) -> list[int]:
+    """Which text each row of numbered texts came from (text k holds the numbers bounds[k]..bounds[k+1]-1)."""
+    return [int(np.searchsorted(bounds, r[0], side="right")) - 1 for r in rows]
+
+
+def test_balanced_rows_share_the_texts_evenly_and_interleave():
+    # text 0 is long, texts 1 and 2 short: a plain stream sample would take nearly every row from text 0
+    bounds = [0, 5000, 5200, 5400]
+    texts = [" ".join(str(i) for i in range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    rows = np.array(calib.sample_rows_balanced(WordTokenizer(), texts, n_rows=9, seq_len=40, seed=2))
+    assert rows.shape == (9, 40) and rows.dtype == np.int32
+    assert (np.diff(rows, axis=1) == 1).all()  # each row one window of one text: never across two
+    src = _source_of(rows, bounds)
+    assert src[:3] == [0, 1, 2]  # every leading slice spans the texts
+    assert [src.count(k) for k in range(3)] == [3, 3, 3]
+    for k in range(3):  # disjoint windows inside each text
+        starts = np.sort(rows[[i for i, s in enumerate(src) if s == k], 0])
+        assert (np.diff(starts) >= 40).all()
+        assert starts.min() >= bounds[k] and starts.max() + 40 <= bounds[k + 1]
+
+
+def test_balanced_rows_give_a_short_texts_share_to_the_others():
+    bounds = [0, 5000, 5080, 5400]  # text 1 holds two disjoint 40-token windows only
+    texts = [" ".join(str(i) for i in range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    rows = np.array(calib.sample_rows_balanced(WordTokenizer(), texts, n_rows=12, seq_len=40, seed=0))
+    src = _source_of(rows, bounds)
+    assert [src.count(k) for k in range(3)] == [5, 2, 5]
+    starts = np.sort(rows[[i for i, s in enumerate(src) if s == 1], 0])
+    assert starts.tolist() == [5000, 5040]
+
+
+def test_balanced_rows_overlap_only_when_every_text_is_used_up():
+    texts = [numbered_text(100), " ".join(str(i) for i in range(100, 200))]
+    rows = np.array(calib.sample_rows_balanced(WordTokenizer(), texts, n_rows=8, seq_len=40, seed=1))
+    src = _source_of(rows, [0, 100, 200])
+    assert [src.count(k) for k in range(2)] == [4, 4]
+    assert (np.diff(rows, axis=1) == 1).all()
+
+
+def test_balanced_rows_are_deterministic_and_start_with_the_start_token():
+    texts = [numbered_text(3000), " ".join(str(i) for i in range(3000, 3500))]
+    a = np.array(calib.sample_rows_balanced(BosWordTokenizer(), texts, 6, 33, seed=4))
+    b = np.array(calib.sample_rows_balanced(BosWordTokenizer(), texts, 6, 33, seed=4))
+    c = np.array(calib.sample_rows_balanced(BosWordTokenizer(), texts, 6, 33, seed=5))
+    plain = np.array(calib.sample_rows_balanced(WordTokenizer(), texts, 6, 32, seed=4))
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert (a[:, 0] == 999).all()
+    np.testing.assert_array_equal(a[:, 1:], plain)
+
+
+def test_balanced_rows_skip_texts_shorter_than_a_row_and_refuse_when_none_is_long_enough():
+    texts = [numbered_text(10), " ".join(str(i) for i in range(10, 500))]
+    rows = np.array(calib.sample_rows_balanced(WordTokenizer(), texts, 3, 40, seed=0))
+    assert rows.min() >= 10
+    with pytest.raises(ValueError, match="no text has 600 tokens"):
+        calib.sample_rows_balanced(WordTokenizer(), texts, 3, 600, seed=0)
+
+
+def test_default_calibration_rows_span_every_bundled_file():
+    from fixtures_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    texts, rows = calib.calibration_rows(tok, None, 10, 64, 0)
+    streams = [calib.tokenize_texts(tok, [t]) for t in texts]
+
+    def origin(row: np.ndarray) -> int:
+        hits = [k for k, s in enumerate(streams)
+                if any(np.array_equal(s[i : i + len(row)], row) for i in np.flatnonzero(s == row[0]))]
+        assert len(hits) == 1
+        return hits[0]
+
+    src = [origin(np.asarray(r)) for r in np.asarray(rows)]
+    assert sorted(src[: len(texts)]) == list(range(len(texts)))  # the leading rows: one of each file
+    assert [src.count(k) for k in range(len(texts))] == [2] * len(texts)

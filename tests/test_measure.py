@@ -100,7 +100,7 @@ def _direct_errors(folder: Path, tokens: mx.array, paths: list[str], option: str
 
 def _tokens(folder: Path, rows: int, seq_len: int, seed: int = 0) -> mx.array:
     src = resolve(str(folder))
-    return calib.sample_rows(src.tokenizer(), calib.default_calibration_texts(), rows, seq_len, seed)
+    return calib.calibration_rows(src.tokenizer(), None, rows, seq_len, seed)[1]  # the rows measure draws
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe"])
@@ -313,7 +313,7 @@ def test_bundled_model_gram_errors_match_direct(tmp_path):
     keys = [f"model.layers.{i}.{p}" for i in (0, src.num_layers - 1)
             for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
     model = src.model(mx.float32)
-    tokens = calib.sample_rows(src.tokenizer(), calib.default_calibration_texts(), 2, 64, 0)
+    tokens = calib.calibration_rows(src.tokenizer(), None, 2, 64, 0)[1]
     recs = {}
     for p in keys:
         recs[p] = _Recorder(dict(model.named_modules())[p])

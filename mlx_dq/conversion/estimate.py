@@ -160,7 +160,7 @@ def _fitting(grid: dict, path: str, in_f: int) -> list:
 
 
 def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: Any = None, method: str = "gptq",
-                     importance_rows: int = 4, kl_scale: bool = True, sample_rows: int | None = None,
+                     importance_rows: int | None = None, kl_scale: bool = True, sample_rows: int | None = None,
                      flops: float | None = None, clip: bool = False) -> Estimate:
     """Predicted cost of :func:`mlx_dq.measure.stream.measure` with these settings (shapes only); ``clip``: the clip
     candidates searched (their batched arrays held)."""
@@ -172,10 +172,10 @@ def estimate_measure(source: Any, *, rows: int = 16, seq_len: int = 512, grid: A
     from mlx_dq.quant.dispatch import row_blocks
 
     grid_map = grid if isinstance(grid, dict) else load_grid(grid)
-    if sample_rows is None:
-        from mlx_dq.settings import MeasureSettings
+    from mlx_dq.settings import MeasureSettings
 
-        sample_rows = MeasureSettings.sample_rows
+    sample_rows = MeasureSettings.sample_rows if sample_rows is None else sample_rows
+    importance_rows = MeasureSettings.importance_rows if importance_rows is None else importance_rows
     layers, other, hidden, lookup_only = _shapes(source)
     tokens, imp = rows * seq_len, min(importance_rows, rows) * seq_len
     # GPTQ: its triangular updates (out x in^2 / 2), the error from its own errors; rounding: the error against the Gram

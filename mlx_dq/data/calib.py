@@ -155,6 +155,18 @@ def bos_token(tokenizer: Any) -> int | None:
     return None
 
 
+def _windows(stream: np.ndarray, n_rows: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
+    """``n_rows`` windows of ``seq_len`` tokens: disjoint when the stream holds enough of them, in stream order."""
+    n = len(stream)
+    n_chunks = n // seq_len
+    if n_rows <= n_chunks:
+        offset = int(rng.integers(0, n - n_chunks * seq_len + 1))
+        starts = offset + np.sort(rng.choice(n_chunks, size=n_rows, replace=False)) * seq_len
+    else:
+        starts = rng.integers(0, n - seq_len + 1, size=n_rows)
+    return np.stack([stream[s : s + seq_len] for s in starts])
+
+
 def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int, seed: int = 0) -> mx.array:
     """Deterministic ``[n_rows, seq_len]`` int32 token rows drawn from texts with a seed.
 
@@ -172,18 +184,41 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
             raise InputError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
         return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
     stream = tokenize_texts(tokenizer, texts)
-    n = len(stream)
-    if n < seq_len:
-        raise InputError(f"text has {n} tokens, fewer than one row of seq_len={seq_len}")
+    if len(stream) < seq_len:
+        raise InputError(f"text has {len(stream)} tokens, fewer than one row of seq_len={seq_len}")
+    return mx.array(_windows(stream, n_rows, seq_len, np.random.default_rng(seed)), dtype=mx.int32)
+
+
+def sample_rows_balanced(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
+                         seed: int = 0) -> mx.array:
+    """Like :func:`sample_rows`, but the rows are shared evenly between ``texts`` and interleaved.
+
+    Each text gets as near an equal number of rows as its disjoint windows allow (a short text's share goes to the
+    others; only when every text is used up do windows overlap), and row ``r`` comes from the text with the fewest
+    rows so far, so every leading slice of the rows (the measurement's importance rows) spans the texts. Without
+    this, one long kind of text fills most rows and the leading rows are all from the first text.
+    """
+    if n_rows < 1 or seq_len < 2:
+        raise InputError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
+    bos = bos_token(tokenizer)
+    if bos is not None:
+        if seq_len < 3:
+            raise InputError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
+        rows = sample_rows_balanced(_NoBos(tokenizer), texts, n_rows, seq_len - 1, seed)
+        return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
+    streams = [s for s in (tokenize_texts(tokenizer, [t]) for t in texts) if len(s) >= seq_len]
+    if not streams:
+        raise InputError(f"no text has {seq_len} tokens, one row of seq_len={seq_len}")
+    capacity = [len(s) // seq_len for s in streams]
+    counts, order = [0] * len(streams), []
+    for _ in range(n_rows):
+        room = [i for i in range(len(streams)) if counts[i] < capacity[i]] or list(range(len(streams)))
+        i = min(room, key=lambda j: counts[j])
+        order.append(i)
+        counts[i] += 1
     rng = np.random.default_rng(seed)
-    n_chunks = n // seq_len
-    if n_rows <= n_chunks:
-        offset = int(rng.integers(0, n - n_chunks * seq_len + 1))
-        starts = offset + np.sort(rng.choice(n_chunks, size=n_rows, replace=False)) * seq_len
-    else:
-        starts = rng.integers(0, n - seq_len + 1, size=n_rows)
-    rows = np.stack([stream[s : s + seq_len] for s in starts])
-    return mx.array(rows, dtype=mx.int32)
+    drawn = [iter(_windows(s, k, seq_len, rng)) if k else iter(()) for s, k in zip(streams, counts)]
+    return mx.array(np.stack([next(drawn[i]) for i in order]), dtype=mx.int32)
 
 
 class _NoBos:
@@ -202,8 +237,11 @@ def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_le
 
     One place for what measure, convert and quantize_model all do first.
     """
-    texts = load_texts(calib) if calib else default_calibration_texts()
-    return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
+    if calib:
+        texts = load_texts(calib)
+        return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
+    texts = default_calibration_texts()  # one text per kind: rows shared evenly between the kinds
+    return texts, sample_rows_balanced(tokenizer, texts, rows, seq_len, seed)
 
 
 # -- named evaluation texts: mlx_dq.data.eval_texts ----------------------------------------
