@@ -151,7 +151,7 @@ def test_head_in_row_blocks_equals_one_piece(big_vocab, grid_file, monkeypatch, 
     assert max(blocks_seen) >= 6  # the 2048-row embedding/head went in blocks
     assert added and max(added) <= 150 and sum(added) % BIG_VOCAB == 0  # its KL taken block by block
     assert assembled and not any(assembled)  # and no dequantized copy of the whole head built
-    _assert_same(blocked, whole, rel=1e-5)
+    _assert_same(blocked, whole, rel=3e-5)  # float32 sums in another order: 1.1e-5 apart on some rows
     head = "lm_head" if kind == "untied" else "model.embed_tokens"
     for key in {head, "model.embed_tokens"}:
         for oa, ob in zip(blocked.tensors[key].options, whole.tensors[key].options):
