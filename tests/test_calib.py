@@ -349,3 +349,10 @@ def test_default_calibration_rows_span_every_bundled_file():
     src = [origin(np.asarray(r)) for r in np.asarray(rows)]
     assert sorted(src[: len(texts)]) == list(range(len(texts)))  # the leading rows: one of each file
     assert [src.count(k) for k in range(len(texts))] == [2] * len(texts)
+
+
+def test_importance_rows_hold_one_row_of_each_bundled_file():
+    """The measurement prices importance on its leading rows; the default count is one row per bundled file."""
+    from mlx_dq.settings import MeasureSettings
+
+    assert MeasureSettings.importance_rows == len(calib.default_calibration_texts())
