@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -167,6 +167,21 @@ def _windows(stream: np.ndarray, n_rows: int, seq_len: int, rng: np.random.Gener
     return np.stack([stream[s : s + seq_len] for s in starts])
 
 
+def _token_rows(tokenizer: Any, n_rows: int, seq_len: int,
+                draw: Callable[[Any, int], np.ndarray]) -> mx.array:
+    """``[n_rows, seq_len]`` int32 rows from ``draw(tokenizer, length)``, which returns rows of plain text tokens;
+    when the tokenizer adds a start token, each row is that token and ``seq_len - 1`` drawn tokens."""
+    if n_rows < 1 or seq_len < 2:
+        raise InputError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
+    bos = bos_token(tokenizer)
+    if bos is None:
+        return mx.array(draw(tokenizer, seq_len), dtype=mx.int32)
+    if seq_len < 3:
+        raise InputError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
+    rows = mx.array(draw(_NoBos(tokenizer), seq_len - 1), dtype=mx.int32)
+    return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
+
+
 def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int, seed: int = 0) -> mx.array:
     """Deterministic ``[n_rows, seq_len]`` int32 token rows drawn from texts with a seed.
 
@@ -175,18 +190,13 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
     When the tokenizer adds a beginning-of-sequence token (:func:`bos_token`), every row
     starts with it followed by ``seq_len - 1`` tokens of text, as the model saw in training.
     """
-    if n_rows < 1 or seq_len < 2:
-        raise InputError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
-    bos = bos_token(tokenizer)
-    if bos is not None:
-        rows = sample_rows(_NoBos(tokenizer), texts, n_rows, seq_len - 1, seed) if seq_len > 2 else None
-        if rows is None:
-            raise InputError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
-        return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
-    stream = tokenize_texts(tokenizer, texts)
-    if len(stream) < seq_len:
-        raise InputError(f"text has {len(stream)} tokens, fewer than one row of seq_len={seq_len}")
-    return mx.array(_windows(stream, n_rows, seq_len, np.random.default_rng(seed)), dtype=mx.int32)
+    def draw(tok: Any, length: int) -> np.ndarray:
+        stream = tokenize_texts(tok, texts)
+        if len(stream) < length:
+            raise InputError(f"text has {len(stream)} tokens, fewer than one row of seq_len={length}")
+        return _windows(stream, n_rows, length, np.random.default_rng(seed))
+
+    return _token_rows(tokenizer, n_rows, seq_len, draw)
 
 
 def sample_rows_balanced(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
@@ -198,27 +208,22 @@ def sample_rows_balanced(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_
     rows so far, so every leading slice of the rows (the measurement's importance rows) spans the texts. Without
     this, one long kind of text fills most rows and the leading rows are all from the first text.
     """
-    if n_rows < 1 or seq_len < 2:
-        raise InputError(f"need n_rows >= 1 and seq_len >= 2, got n_rows={n_rows}, seq_len={seq_len}")
-    bos = bos_token(tokenizer)
-    if bos is not None:
-        if seq_len < 3:
-            raise InputError(f"need seq_len >= 3 for a tokenizer that adds a start token, got {seq_len}")
-        rows = sample_rows_balanced(_NoBos(tokenizer), texts, n_rows, seq_len - 1, seed)
-        return mx.concatenate([mx.full((n_rows, 1), bos, dtype=mx.int32), rows], axis=1)
-    streams = [s for s in (tokenize_texts(tokenizer, [t]) for t in texts) if len(s) >= seq_len]
-    if not streams:
-        raise InputError(f"no text has {seq_len} tokens, one row of seq_len={seq_len}")
-    capacity = [len(s) // seq_len for s in streams]
-    counts, order = [0] * len(streams), []
-    for _ in range(n_rows):
-        room = [i for i in range(len(streams)) if counts[i] < capacity[i]] or list(range(len(streams)))
-        i = min(room, key=lambda j: counts[j])
-        order.append(i)
-        counts[i] += 1
-    rng = np.random.default_rng(seed)
-    drawn = [iter(_windows(s, k, seq_len, rng)) if k else iter(()) for s, k in zip(streams, counts)]
-    return mx.array(np.stack([next(drawn[i]) for i in order]), dtype=mx.int32)
+    def draw(tok: Any, length: int) -> np.ndarray:
+        streams = [s for s in (tokenize_texts(tok, [t]) for t in texts) if len(s) >= length]
+        if not streams:
+            raise InputError(f"no text has {length} tokens, one row of seq_len={length}")
+        capacity = [len(s) // length for s in streams]
+        counts, order = [0] * len(streams), []
+        for _ in range(n_rows):
+            room = [i for i in range(len(streams)) if counts[i] < capacity[i]] or list(range(len(streams)))
+            i = min(room, key=lambda j: counts[j])
+            order.append(i)
+            counts[i] += 1
+        rng = np.random.default_rng(seed)
+        drawn = [iter(_windows(s, k, length, rng)) if k else iter(()) for s, k in zip(streams, counts)]
+        return np.stack([next(drawn[i]) for i in order])
+
+    return _token_rows(tokenizer, n_rows, seq_len, draw)
 
 
 class _NoBos:
