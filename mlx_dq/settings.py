@@ -62,7 +62,7 @@ class _Settings:
 class CalibSettings(_Settings):
     """Calibration rows: which text, how many rows of how many tokens, and the seed choosing them."""
 
-    calib: str | Path | None = None
+    calib: str | Path | tuple[str, ...] | None = None  # several: sources sharing the rows (data.calib)
     rows: int = 32
     seq_len: int = 512
     seed: int = 0
@@ -79,7 +79,7 @@ class MeasureSettings(_Settings):
     ``clip`` None means off (see :meth:`resolved_clip`); ``convert`` clips its GPTQ scales either way.
     """
 
-    calib: str | Path | None = None
+    calib: str | Path | tuple[str, ...] | None = None  # several: sources sharing the rows (data.calib)
     rows: int = 16
     seq_len: int = 512
     seed: int = 0

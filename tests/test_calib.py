@@ -356,3 +356,75 @@ def test_importance_rows_hold_one_row_of_each_bundled_file():
     from mlx_dq.settings import MeasureSettings
 
     assert MeasureSettings.importance_rows == len(calib.default_calibration_texts())
+
+
+# -- several calibration sources (--calib bundled --calib mine.txt) ---------------------------------------
+
+
+def test_calib_sources_name_the_bundled_set_and_refuse_a_repeat(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert calib.calib_sources(None) == calib.calib_sources("") == calib.calib_sources(()) == (None,)
+    assert calib.calib_sources("bundled") == (None,)
+    assert calib.calib_sources(("bundled", "mine.txt")) == (None, "mine.txt")
+    assert calib.calib_label(None) == "default" and calib.calib_label(("bundled",)) == "default"
+    assert calib.calib_label(("mine.txt", "bundled")) == "mine.txt + bundled"
+    assert calib.calib_paths(("bundled", "a.txt", "b")) == ["a.txt", "b"]
+    with pytest.raises(ValueError, match="calibration source given twice: mine.txt"):
+        calib.calib_sources(("mine.txt", "bundled", "mine.txt"))
+    with pytest.raises(ValueError, match="calibration source given twice: bundled"):
+        calib.calib_sources(("bundled", None))
+    (tmp_path / "bundled").mkdir()  # a path that exists wins over the name, as for evaluation texts
+    assert calib.calib_sources("bundled") == ("bundled",)
+
+
+def test_check_calib_reads_every_user_source(tmp_path):
+    good = tmp_path / "good.txt"
+    good.write_text("some text", encoding="utf-8")
+    calib.check_calib(("bundled", good))
+    with pytest.raises(ValueError, match="does not exist: .*missing.txt"):
+        calib.check_calib(("bundled", good, tmp_path / "missing.txt"))
+
+
+def test_mixed_rows_share_the_sources_evenly_and_interleave():
+    # source 0: two texts drawn balanced; source 1: one long stream. Row r comes from source r % 2.
+    bundled = [numbered_text(400), " ".join(str(i) for i in range(400, 800))]
+    mine = [" ".join(str(i) for i in range(1000, 9000))]
+    sources = [("bundled", bundled, True), ("mine.txt", mine, False)]
+    rows = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=9, seq_len=40, seed=3))
+    assert rows.shape == (9, 40) and (np.diff(rows, axis=1) == 1).all()
+    src = _source_of(rows, [0, 400, 800, 1000, 9000])
+    assert [s >= 2 for s in src] == [r % 2 == 1 for r in range(9)]
+    assert [src.count(k) for k in range(4)] == [3, 2, 0, 4]  # the bundled share balanced over its two texts
+    again = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=9, seq_len=40, seed=3))
+    other = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=9, seq_len=40, seed=4))
+    assert np.array_equal(rows, again) and not np.array_equal(rows, other)
+
+
+def test_mixed_rows_refuse_too_few_rows_and_a_source_shorter_than_a_row():
+    sources = [("a", [numbered_text(500)], True), ("short.txt", [numbered_text(10)], False)]
+    with pytest.raises(ValueError, match="2 calibration sources need at least 2 rows, got 1"):
+        calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=1, seq_len=40)
+    with pytest.raises(ValueError, match="calibration text short.txt has 10 tokens, fewer than one row"):
+        calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=4, seq_len=40)
+
+
+def test_calibration_rows_beside_the_bundled_set_take_half_from_the_users_text(tmp_path):
+    from fixtures_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    mine = tmp_path / "mine.txt"
+    mine.write_text(" ".join(f"zq{i} xv{i}" for i in range(3000)), encoding="utf-8")
+    texts, rows = calib.calibration_rows(tok, ("bundled", str(mine)), 10, 64, 0)
+    bundled = calib.default_calibration_texts()
+    assert texts == [*bundled, mine.read_text(encoding="utf-8")]
+    user_stream = calib.tokenize_texts(tok, [texts[-1]])
+
+    def from_user(row: np.ndarray) -> bool:
+        return any(np.array_equal(user_stream[i : i + len(row)], row) for i in np.flatnonzero(user_stream == row[0]))
+
+    assert [from_user(np.asarray(r)) for r in np.asarray(rows)] == [r % 2 == 1 for r in range(10)]
+    # one source alone draws as it always did: the bundled set balanced, a user's text as one stream
+    np.testing.assert_array_equal(np.asarray(calib.calibration_rows(tok, ("bundled",), 10, 64, 0)[1]),
+                                  np.asarray(calib.calibration_rows(tok, None, 10, 64, 0)[1]))
+    np.testing.assert_array_equal(np.asarray(calib.calibration_rows(tok, (str(mine),), 10, 64, 0)[1]),
+                                  np.asarray(calib.sample_rows(tok, [texts[-1]], 10, 64, 0)))

@@ -11,7 +11,7 @@ from mlx_dq.settings import MeasureSettings, PlanSettings, QuantizeSettings
 
 # CLI flags that state a setting negatively, and values the CLI spells its own way
 NEGATED = {"no_sequential": "sequential", "no_clip": "clip"}
-CLI_SPELLING = {("head_option", "budget"): None}
+CLI_SPELLING = {("head_option", "budget"): None, ("calib", ()): None}
 # settings with no command-line option: library-only knobs
 LIBRARY_ONLY = {
     "measure": {"importance_rows", "batch_size", "expert_mode", "head_chunk", "damp"},

@@ -152,6 +152,24 @@ def test_case1_force_never_deletes_the_calibration_file_or_a_users_file(tree, tm
     assert (out / "eval.log").exists()
 
 
+def test_a_second_calibration_source_is_an_input_too(tree, tmp_path):
+    """``--calib bundled --calib FILE``: an output that would replace FILE is refused as for one source."""
+    out = _fresh_output(tree, tmp_path, "out")
+    shutil.copy(tree["calib"], out / "calib.txt")
+    before = snapshot(out)
+    two = ["--calib", "bundled", "--calib", out / "calib.txt"]
+    r = cli("convert", "--model", tree["src"], "--measurement", tree["m"], "--bpw", "4", *two, "-o", out, "--force",
+            *CALIB[2:])
+    one_error_line(r, "calibration text")
+    r = cli("distill", tree["clean"], "--model", tree["src"], *two, "-o", out, "--force",
+            "--rows", "2", "--seq-len", "16", "--steps", "1", "--batch-size", "1")
+    one_error_line(r, "calibration text")
+    r = cli("measure", "--model", tree["src"], *two, "--grid", tree["grid"], "--rows", "4", "--seq-len", "32",
+            "--method", "rtn", "--no-kl-scale", "-o", out / "calib.txt", "--force")
+    one_error_line(r, "calibration text")
+    assert snapshot(out) == before
+
+
 def test_case2_measure_never_writes_into_the_source_folder(tree, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(tree["src"], src)

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from mlx_dq.cli.estimate import announce, print_estimate
-from mlx_dq.cli.group import CONTEXT, is_root
+from mlx_dq.cli.group import CALIB_HELP, CONTEXT, calib_arg, is_root
 from mlx_dq.errors import MlxDqError
 from mlx_dq.safety import WRITE_RULE
 from mlx_dq.settings import (
@@ -43,7 +43,7 @@ _Q, _P, _D = QuantizeSettings(), PlanSettings(), DistillSettings()  # the defaul
               help="Option for embedding/head outside the budget, or 'budget' to plan them with the rest.")
 @click.option("--keep", multiple=True, metavar="PATTERN", help="Tensor name or glob kept in 16-bit (repeatable).")
 @click.option("--keep-outside-budget", is_flag=True, help="Kept 16-bit tensors do not count against --bpw.")
-@click.option("--calib", type=click.Path(exists=True), default=_Q.calib, help="Calibration .txt/.jsonl file or folder.")
+@click.option("--calib", multiple=True, default=None, metavar="PATH", help=CALIB_HELP)
 @click.option("--rows", default=_Q.rows, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
 @click.option("--seq-len", default=_Q.seq_len, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
 @click.option("--seed", default=_Q.seed, show_default=True, type=int, help="Seed for the calibration rows.")
@@ -79,7 +79,7 @@ _Q, _P, _D = QuantizeSettings(), PlanSettings(), DistillSettings()  # the defaul
 def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str, measurement: str | None,
             plan_path: str | None, mlx_lm_compatible: bool, frequent_rows: bool, promote_mixed: bool,
             head_option: str,
-            keep: tuple[str, ...], keep_outside_budget: bool, calib: str | None, rows: int, seq_len: int, seed: int,
+            keep: tuple[str, ...], keep_outside_budget: bool, calib: tuple[str, ...], rows: int, seq_len: int, seed: int,
             method: str, no_sequential: bool, no_clip: bool, force: bool, dtype: str, upload_repo: str | None,
             allow_incomplete: bool, allow_other_model: bool, distill: bool = False, distill_rows: int | None = None,
             distill_seq_len: int | None = None, distill_steps: int | None = None, distill_lr: float | None = None,
@@ -95,6 +95,7 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
     from mlx_dq.quant.options import QuantOption
     from mlx_dq.safety import check_bpw
 
+    calib_spec = calib_arg(calib)
     if bpw is None and plan_path is None:
         raise click.UsageError("give --bpw (a target) or --plan (a plan file)")
     if plan_path is not None:
@@ -116,7 +117,7 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
             QuantOption.parse(head_option)
         except MlxDqError as e:
             raise click.BadParameter(str(e), param_hint="--head-option") from None
-    d_settings = _distill_settings(distill, calib, seed, rows=distill_rows, seq_len=distill_seq_len,
+    d_settings = _distill_settings(distill, calib_spec, seed, rows=distill_rows, seq_len=distill_seq_len,
                                    steps=distill_steps, lr=distill_lr)
     cost = dict(bpw=bpw, rows=rows, seq_len=seq_len, method=method, distill=d_settings,
                 measure_first=measurement is None and plan_path is None,
@@ -132,7 +133,7 @@ def convert(ctx: click.Context, model_spec: str, bpw: float | None, output: str,
         model_spec, output, bpw=bpw, plan=plan_path, measurement=measurement,
         mlx_lm_compatible=mlx_lm_compatible, promote_mixed=promote_mixed, frequent_rows=frequent_rows,
         head_option=None if head_option == "budget" else head_option,
-        keep=keep, keep_outside_budget=keep_outside_budget, calib=calib, rows=rows, seq_len=seq_len, seed=seed,
+        keep=keep, keep_outside_budget=keep_outside_budget, calib=calib_spec, rows=rows, seq_len=seq_len, seed=seed,
         method=method,
         sequential=not no_sequential, clip=not no_clip, force=force, dtype=dtype,
         command=_command_line(ctx), card_ref=upload_repo,
@@ -160,7 +161,7 @@ def _command_line(ctx: click.Context) -> str:
     return shlex.join(["mlx_dq", *ctx.find_root().meta.get("mlx_dq.argv", [])])
 
 
-def _distill_settings(distill: bool, calib: str | None, seed: int, **given: Any) -> DistillSettings | None:
+def _distill_settings(distill: bool, calib: str | tuple[str, ...] | None, seed: int, **given: Any) -> DistillSettings | None:
     """convert's --distill and --distill-* options as settings (None without --distill; its options then refused)."""
     given = {k: v for k, v in given.items() if v is not None}
     if given and not distill:
@@ -199,8 +200,7 @@ def _convert_notes(output: str, manifest: dict | None = None) -> None:
               help=f"Output model folder. {WRITE_RULE}")
 @click.option("--model", "model_spec", default=None,
               help="Source (float) model to distil from [default: the source recorded in FOLDER's manifest].")
-@click.option("--calib", type=click.Path(exists=True), default=None,
-              help="Calibration .txt/.jsonl file or folder [default: the bundled calibration text].")
+@click.option("--calib", multiple=True, default=None, metavar="PATH", help=CALIB_HELP)
 @click.option("--rows", default=_D.rows, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
 @click.option("--seq-len", default=_D.seq_len, show_default=True, type=click.IntRange(min=3), help="Tokens per row.")
 @click.option("--steps", default=_D.steps, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
@@ -215,11 +215,12 @@ def _convert_notes(output: str, manifest: dict | None = None) -> None:
 @click.option("--force", is_flag=True,
               help="Replace an existing output folder: only an earlier mlx-dq output holding nothing but its own "
                    "files, never one holding an input.")
-def distill(folder: str, output: str, model_spec: str | None, calib: str | None, rows: int, seq_len: int, steps: int,
+def distill(folder: str, output: str, model_spec: str | None, calib: tuple[str, ...], rows: int, seq_len: int, steps: int,
             batch_size: int, lr: float, seed: int, temperature: float, train_norms: bool, force: bool) -> None:
     """Distil FOLDER's quantized scales and biases against the source model's logits (codes stay fixed)."""
     from mlx_dq.conversion import distill as dist_mod
 
+    calib_spec = calib_arg(calib)
     try:
         spec = dist_mod.source_spec(Path(folder), model_spec)
         cost = DistillSettings(rows=rows, seq_len=seq_len, steps=steps, batch_size=batch_size).with_options()
@@ -227,7 +228,7 @@ def distill(folder: str, output: str, model_spec: str | None, calib: str | None,
         spec = cost = None
     if spec is not None:
         announce(spec, "distill", cost)
-    rec = dist_mod.distill(model_spec, folder, output, calib=calib, rows=rows, seq_len=seq_len, steps=steps,
+    rec = dist_mod.distill(model_spec, folder, output, calib=calib_spec, rows=rows, seq_len=seq_len, steps=steps,
                            batch_size=batch_size, lr=lr, seed=seed, temperature=temperature,
                            train_norms=train_norms, force=force, say=click.echo)
     click.echo(f"KL on the training rows: {rec['kl_train_before']:.5f} -> {rec['kl_train_after']:.5f} "

@@ -88,3 +88,17 @@ def source_path(model_spec: str | None) -> Any:
         return resolve(model_spec).path
     except (ValueError, OSError):
         return None
+
+
+CALIB_HELP = ("Calibration .txt/.jsonl file or folder [default: the bundled calibration text]. Repeat to mix: "
+              "'--calib bundled --calib mine.txt' shares the rows evenly between the bundled text and yours.")
+
+
+def calib_arg(values: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """``--calib``'s values as the settings take them: None (the bundled text), one source, or several; each
+    source is read now, so a bad one fails before the time estimate is printed."""
+    from mlx_dq.data.calib import check_calib
+
+    spec = None if not values else values[0] if len(values) == 1 else tuple(values)
+    check_calib(spec)
+    return spec

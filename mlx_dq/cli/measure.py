@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 from mlx_dq.cli.estimate import announce, print_estimate
-from mlx_dq.cli.group import CONTEXT, is_root, source_path
+from mlx_dq.cli.group import CALIB_HELP, CONTEXT, calib_arg, is_root, source_path
+from mlx_dq.data.calib import calib_paths
 from mlx_dq.errors import MlxDqError
 from mlx_dq.safety import WRITE_RULE
 from mlx_dq.settings import IMPORTANCE_MODES, METHODS, MeasureSettings
@@ -19,8 +20,7 @@ _M = MeasureSettings()  # the defaults every option below shows
 @click.command(context_settings=CONTEXT)
 @click.option("--model", "model_spec", default="smollm2-135m", show_default=True,
               help="HF folder, hub id, .gguf file or smollm2-135m.")
-@click.option("--calib", type=click.Path(), default=None,
-              help="Calibration .txt/.jsonl file or folder [default: the bundled calibration text].")
+@click.option("--calib", multiple=True, default=None, metavar="PATH", help=CALIB_HELP)
 @click.option("--rows", default=_M.rows, show_default=True, type=click.IntRange(min=1), help="Calibration rows.")
 @click.option("--seq-len", default=_M.seq_len, show_default=True, type=click.IntRange(min=2), help="Tokens per row.")
 @click.option("--seed", default=_M.seed, show_default=True, type=int, help="Seed for choosing the rows.")
@@ -47,13 +47,14 @@ _M = MeasureSettings()  # the defaults every option below shows
               help="Measure each linear layer's options on this many random output rows (0: all rows).")
 @click.option("--estimate", is_flag=True, help="Print the predicted time, peak memory and disk, and exit.")
 @click.option("--flops", type=float, default=None, help="With --estimate: this float32 FLOP/s instead of timing one.")
-def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: int, grid: str | None,
+def measure(model_spec: str, calib: tuple[str, ...], rows: int, seq_len: int, seed: int, grid: str | None,
             importance: str, method: str, clip: bool | None, kl_scale: bool, output: str, no_resume: bool,
             plot_dir: str | None, force: bool = False, sample_rows: int = 0, estimate: bool = False,
             flops: float | None = None) -> None:
     """Measure every tensor's error under each quantization option, one decoder layer at a time."""
     from mlx_dq.measure.stream import measure as run_measure
 
+    calib_spec = calib_arg(calib)
     cost = dict(rows=rows, seq_len=seq_len, grid=grid, method=method, kl_scale=kl_scale and importance == "residual",
                 sample_rows=sample_rows, clip=bool(clip))
     if estimate:
@@ -61,9 +62,9 @@ def measure(model_spec: str, calib: str | None, rows: int, seq_len: int, seed: i
         return
     t0 = time.perf_counter()
     announce(model_spec, "measure", **cost)
-    _check_measure_outputs(output, plot_dir, [("calibration text", calib), ("grid", grid),
-                                              ("model", source_path(model_spec))])
-    m = run_measure(model_spec, calib=calib, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
+    inputs = [*(("calibration text", c) for c in calib_paths(calib_spec)), ("grid", grid)]
+    _check_measure_outputs(output, plot_dir, [*inputs, ("model", source_path(model_spec))])
+    m = run_measure(model_spec, calib=calib_spec, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
                     out_path=output, resume=not (no_resume or force), importance=importance, clip=clip,
                     method=method, kl_scale=kl_scale, sample_rows=sample_rows)
     if not is_root():  # under mlx.launch only rank 0 reports (and writes)

@@ -488,7 +488,7 @@ def distill_folder(source: Any, spec: str, folder: Path, s: DistillSettings, *, 
     updates, core = distill_model(model, base, tokens, s, progress=progress, say=say)
     del model, base
     record = {
-        "source": spec, "input": input_label, "settings": {**s.as_dict(), "calib": str(s.calib) if s.calib else "default"},
+        "source": spec, "input": input_label, "settings": {**s.as_dict(), "calib": calib_mod.calib_label(s.calib)},
         "text_digest": calib_mod.text_digest(texts), **core, "seconds": round(time.perf_counter() - t_start, 2),
     }
     return updates, record
@@ -525,9 +525,8 @@ def distill(
     spec = source_spec(folder, source)
     src = resolve(spec)
     guard_output_folder(out, force, [("quantized model", folder), ("source model", src.path),
-                                     ("calibration text", s.calib)])
-    if s.calib is not None:
-        calib_mod.load_texts(s.calib)
+                                     *(("calibration text", c) for c in calib_mod.calib_paths(s.calib))])
+    calib_mod.check_calib(s.calib)
     _check_same_model(src.config, q_config, spec)
     with output_lock(out):  # a second run into the same output stops, naming this one
         updates, record = distill_folder(src, spec, folder, s, input_label=str(folder), progress=progress, say=say)

@@ -290,10 +290,9 @@ def _prepare(model: str, out_dir: str | Path, plan: Any, measurement: Any, force
         ("source model", source.path),
         ("measurement", measurement if isinstance(measurement, (str, Path)) else None),
         ("plan", plan if isinstance(plan, (str, Path)) else None),
-        ("calibration text", q.calib),
+        *(("calibration text", c) for c in calib_mod.calib_paths(q.calib)),
     ])
-    if q.calib is not None:  # a bad calibration file fails now, not after the measurement
-        calib_mod.load_texts(q.calib)
+    calib_mod.check_calib(q.calib)  # a bad calibration file fails now, not after the measurement
     for pat in p.keep:  # a keep pattern that matches nothing fails now, not after the measurement
         if not any(key_matches(k, [pat]) for k in model_shapes(source.config)):
             raise InputError(f"keep pattern {pat!r} matches no tensor of {source.spec}")
@@ -321,7 +320,7 @@ def _write_folder(job: _Job, stream: Any, texts: Any, measurement_file: Any, out
         written = WrittenTensors(records, mixed, files, other_bytes, writer.nbytes, splits)
         manifest = build_manifest(
             source, job.plan, written, config, __version__,
-            calib={"source": str(q.calib) if q.calib else "default", "rows": q.rows, "seq_len": q.seq_len,
+            calib={"source": calib_mod.calib_label(q.calib), "rows": q.rows, "seq_len": q.seq_len,
                    "seed": q.seed, "text_digest": calib_mod.text_digest(texts)},
             settings={"method": q.method, "sequential": q.sequential, "clip": q.clip, "damp": q.damp,
                       "dtype": dtype, "promote_mixed": q.promote_mixed,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -191,12 +191,35 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
     starts with it followed by ``seq_len - 1`` tokens of text, as the model saw in training.
     """
     def draw(tok: Any, length: int) -> np.ndarray:
-        stream = tokenize_texts(tok, texts)
-        if len(stream) < length:
-            raise InputError(f"text has {len(stream)} tokens, fewer than one row of seq_len={length}")
-        return _windows(stream, n_rows, length, np.random.default_rng(seed))
+        return _plain_windows(tok, texts, n_rows, length, np.random.default_rng(seed))
 
     return _token_rows(tokenizer, n_rows, seq_len, draw)
+
+
+def _plain_windows(tok: Any, texts: Sequence[str], n_rows: int, length: int, rng: np.random.Generator,
+                   what: str = "text") -> np.ndarray:
+    """``n_rows`` windows of ``length`` tokens of ``texts`` read as one stream (:func:`_windows`)."""
+    stream = tokenize_texts(tok, texts)
+    if len(stream) < length:
+        raise InputError(f"{what} has {len(stream)} tokens, fewer than one row of seq_len={length}")
+    return _windows(stream, n_rows, length, rng)
+
+
+def _balanced_windows(tok: Any, texts: Sequence[str], n_rows: int, length: int,
+                      rng: np.random.Generator) -> np.ndarray:
+    """``n_rows`` windows shared evenly between ``texts`` and interleaved (:func:`sample_rows_balanced`)."""
+    streams = [s for s in (tokenize_texts(tok, [t]) for t in texts) if len(s) >= length]
+    if not streams:
+        raise InputError(f"no text has {length} tokens, one row of seq_len={length}")
+    capacity = [len(s) // length for s in streams]
+    counts, order = [0] * len(streams), []
+    for _ in range(n_rows):
+        room = [i for i in range(len(streams)) if counts[i] < capacity[i]] or list(range(len(streams)))
+        i = min(room, key=lambda j: counts[j])
+        order.append(i)
+        counts[i] += 1
+    drawn = [iter(_windows(s, k, length, rng)) if k else iter(()) for s, k in zip(streams, counts)]
+    return np.stack([next(drawn[i]) for i in order])
 
 
 def sample_rows_balanced(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
@@ -208,20 +231,28 @@ def sample_rows_balanced(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_
     rows so far, so every leading slice of the rows (the measurement's importance rows) spans the texts. Without
     this, one long kind of text fills most rows and the leading rows are all from the first text.
     """
+    return _token_rows(tokenizer, n_rows, seq_len,
+                       lambda tok, length: _balanced_windows(tok, texts, n_rows, length, np.random.default_rng(seed)))
+
+
+def sample_rows_mixed(tokenizer: Any, sources: Sequence[tuple[str, Sequence[str], bool]], n_rows: int, seq_len: int,
+                      seed: int = 0) -> mx.array:
+    """Rows shared evenly between ``sources`` (name, texts, balanced) and interleaved: row ``r`` is from source
+    ``r % len(sources)``, so a user's text beside the bundled set gets its share however short or long either is.
+
+    A balanced source spreads its rows over its texts (:func:`sample_rows_balanced`), another reads its texts as one
+    stream (:func:`sample_rows`); every source must hold one row of tokens.
+    """
+    if n_rows < len(sources):
+        raise InputError(f"{len(sources)} calibration sources need at least {len(sources)} rows, got {n_rows}")
+
     def draw(tok: Any, length: int) -> np.ndarray:
-        streams = [s for s in (tokenize_texts(tok, [t]) for t in texts) if len(s) >= length]
-        if not streams:
-            raise InputError(f"no text has {length} tokens, one row of seq_len={length}")
-        capacity = [len(s) // length for s in streams]
-        counts, order = [0] * len(streams), []
-        for _ in range(n_rows):
-            room = [i for i in range(len(streams)) if counts[i] < capacity[i]] or list(range(len(streams)))
-            i = min(room, key=lambda j: counts[j])
-            order.append(i)
-            counts[i] += 1
         rng = np.random.default_rng(seed)
-        drawn = [iter(_windows(s, k, length, rng)) if k else iter(()) for s, k in zip(streams, counts)]
-        return np.stack([next(drawn[i]) for i in order])
+        counts = [len(range(i, n_rows, len(sources))) for i in range(len(sources))]
+        drawn = [iter(_balanced_windows(tok, texts, k, length, rng) if balanced
+                      else _plain_windows(tok, texts, k, length, rng, what=f"calibration text {name}"))
+                 for (name, texts, balanced), k in zip(sources, counts)]
+        return np.stack([next(drawn[r % len(sources)]) for r in range(n_rows)])
 
     return _token_rows(tokenizer, n_rows, seq_len, draw)
 
@@ -236,17 +267,54 @@ class _NoBos:
         return _encode(self.tokenizer, text)
 
 
-def calibration_rows(tokenizer: Any, calib: str | Path | None, rows: int, seq_len: int,
-                     seed: int) -> tuple[list[str], mx.array]:
-    """The calibration texts (a file/folder, or the bundled text when ``calib`` is None) and their sampled token rows.
+BUNDLED = "bundled"  # the name ``--calib`` gives the bundled calibration set beside a user's text
 
-    One place for what measure, convert and quantize_model all do first.
+CalibSpec = Union[str, Path, Sequence[Union[str, Path]], None]
+
+
+def calib_sources(calib: CalibSpec) -> tuple[str | None, ...]:
+    """``calib`` as its sources: None for the bundled set (nothing given, or :data:`BUNDLED` where no such path
+    exists), else a user's file or folder; a source given twice is refused."""
+    items = [calib] if calib is None or isinstance(calib, (str, Path)) else list(calib)
+    out = tuple(None if not c or (str(c) == BUNDLED and not Path(c).exists()) else str(c) for c in items) or (None,)
+    for i, c in enumerate(out):
+        if c in out[:i]:
+            raise InputError(f"calibration source given twice: {BUNDLED if c is None else c}")
+    return out
+
+
+def calib_label(calib: CalibSpec) -> str:
+    """How manifests and measurements name ``calib``: "default" for the bundled set alone, else its sources
+    joined by " + " (the bundled set as :data:`BUNDLED`)."""
+    sources = calib_sources(calib)
+    return "default" if sources == (None,) else " + ".join(BUNDLED if c is None else c for c in sources)
+
+
+def calib_paths(calib: CalibSpec) -> list[str]:
+    """The user's files and folders among ``calib``'s sources (what an output folder must never touch)."""
+    return [c for c in calib_sources(calib) if c is not None]
+
+
+def check_calib(calib: CalibSpec) -> None:
+    """Read every user source of ``calib`` now, so a bad file fails before any long work (InputError)."""
+    for path in calib_paths(calib):
+        load_texts(path)
+
+
+def calibration_rows(tokenizer: Any, calib: CalibSpec, rows: int, seq_len: int,
+                     seed: int) -> tuple[list[str], mx.array]:
+    """The calibration texts and their sampled token rows: one source (a file/folder, or the bundled text when
+    ``calib`` is None) as before; several (``--calib bundled --calib mine.txt``) share the rows evenly
+    (:func:`sample_rows_mixed`). One place for what measure, convert and quantize_model all do first.
     """
-    if calib:
-        texts = load_texts(calib)
-        return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
-    texts = default_calibration_texts()  # one text per kind: rows shared evenly between the kinds
-    return texts, sample_rows_balanced(tokenizer, texts, rows, seq_len, seed)
+    sources = calib_sources(calib)
+    read = [(BUNDLED, default_calibration_texts(), True) if c is None else (c, load_texts(c), False) for c in sources]
+    texts = [t for _, src, _ in read for t in src]
+    if len(read) > 1:
+        return texts, sample_rows_mixed(tokenizer, read, rows, seq_len, seed)
+    if read[0][2]:  # the bundled set: one text per kind, rows shared evenly between the kinds
+        return texts, sample_rows_balanced(tokenizer, texts, rows, seq_len, seed)
+    return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
 
 
 # -- named evaluation texts: mlx_dq.data.eval_texts ----------------------------------------

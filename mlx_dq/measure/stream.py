@@ -147,7 +147,7 @@ def _start(spec_or_source: Any, s: MeasureSettings, out_path: str | Path | None,
     m = Measurement(
         model={"spec": str(getattr(source, "spec", spec_or_source)), "model_type": source.config.get("model_type"),
                "num_layers": len(layers), "fingerprint": source.fingerprint()},
-        calibration={"source": str(s.calib) if s.calib else "default", "text_digest": calib_mod.text_digest(texts),
+        calibration={"source": calib_mod.calib_label(s.calib), "text_digest": calib_mod.text_digest(texts),
                      "rows": s.rows, "seq_len": s.seq_len, "seed": s.seed,
                      "tokens_digest": _digest(np.asarray(tokens).tobytes())},
         grid={"source": str(s.grid) if s.grid else "default",
