@@ -386,43 +386,51 @@ def test_check_calib_reads_every_user_source(tmp_path):
 
 
 def test_mixed_rows_share_the_sources_evenly_and_interleave():
-    # source 0: two texts drawn balanced; source 1: one long stream. Row r comes from source r % 2.
-    bundled = [numbered_text(400), " ".join(str(i) for i in range(400, 800))]
-    mine = [" ".join(str(i) for i in range(1000, 9000))]
-    sources = [("bundled", bundled, True), ("mine.txt", mine, False)]
-    rows = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=9, seq_len=40, seed=3))
-    assert rows.shape == (9, 40) and (np.diff(rows, axis=1) == 1).all()
-    src = _source_of(rows, [0, 400, 800, 1000, 9000])
-    assert [s >= 2 for s in src] == [r % 2 == 1 for r in range(9)]
-    assert [src.count(k) for k in range(4)] == [3, 2, 0, 4]  # the bundled share balanced over its two texts
-    again = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=9, seq_len=40, seed=3))
-    other = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=9, seq_len=40, seed=4))
+    # mine.txt: two documents read as one stream; a short source's share goes to the others
+    sources = [("a", [numbered_text(400)]), ("mine.txt", [" ".join(str(i) for i in range(1000, 1100)),
+                                                        " ".join(str(i) for i in range(1100, 9000))]),
+               ("short", [" ".join(str(i) for i in range(9000, 9080))])]
+    rows = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=10, seq_len=40, seed=3))
+    assert rows.shape == (10, 40)
+    src = _source_of(rows, [0, 400, 1000, 9000, 9080])
+    assert src[:3] == [0, 2, 3]  # every leading slice spans the sources
+    assert [src.count(k) for k in range(4)] == [4, 0, 4, 2]  # "short" holds two disjoint windows only
+    assert (np.diff(rows, axis=1) == 1).all()  # a window of one source, never across two
+    again = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=10, seq_len=40, seed=3))
+    other = np.array(calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=10, seq_len=40, seed=4))
     assert np.array_equal(rows, again) and not np.array_equal(rows, other)
 
 
 def test_mixed_rows_refuse_too_few_rows_and_a_source_shorter_than_a_row():
-    sources = [("a", [numbered_text(500)], True), ("short.txt", [numbered_text(10)], False)]
+    sources = [("a", [numbered_text(500)]), ("short.txt", [numbered_text(10)])]
     with pytest.raises(ValueError, match="2 calibration sources need at least 2 rows, got 1"):
         calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=1, seq_len=40)
     with pytest.raises(ValueError, match="calibration text short.txt has 10 tokens, fewer than one row"):
         calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=4, seq_len=40)
 
 
-def test_calibration_rows_beside_the_bundled_set_take_half_from_the_users_text(tmp_path):
+def test_calibration_rows_beside_the_bundled_set_give_the_users_text_one_kinds_share(tmp_path):
     from fixtures_models import tiny_tokenizer
 
     tok = tiny_tokenizer()
     mine = tmp_path / "mine.txt"
     mine.write_text(" ".join(f"zq{i} xv{i}" for i in range(3000)), encoding="utf-8")
-    texts, rows = calib.calibration_rows(tok, ("bundled", str(mine)), 10, 64, 0)
+    texts, rows = calib.calibration_rows(tok, ("bundled", str(mine)), 12, 64, 0)
     bundled = calib.default_calibration_texts()
     assert texts == [*bundled, mine.read_text(encoding="utf-8")]
-    user_stream = calib.tokenize_texts(tok, [texts[-1]])
+    streams = [calib.tokenize_texts(tok, [t]) for t in texts]
 
-    def from_user(row: np.ndarray) -> bool:
-        return any(np.array_equal(user_stream[i : i + len(row)], row) for i in np.flatnonzero(user_stream == row[0]))
+    def origin(row: np.ndarray) -> int:
+        hits = [k for k, s in enumerate(streams)
+                if any(np.array_equal(s[i : i + len(row)], row) for i in np.flatnonzero(s == row[0]))]
+        assert len(hits) == 1
+        return hits[0]
 
-    assert [from_user(np.asarray(r)) for r in np.asarray(rows)] == [r % 2 == 1 for r in range(10)]
+    src = [origin(np.asarray(r)) for r in np.asarray(rows)]
+    n = len(texts)  # the bundled files and the user's text, one kind each, in the order given
+    assert src[:n] == list(range(n)) and [src.count(k) for k in range(n)] == [2] * n
+    with pytest.raises(ValueError, match=f"{n} calibration sources need at least {n} rows"):
+        calib.calibration_rows(tok, ("bundled", str(mine)), n - 1, 64, 0)
     # one source alone draws as it always did: the bundled set balanced, a user's text as one stream
     np.testing.assert_array_equal(np.asarray(calib.calibration_rows(tok, ("bundled",), 10, 64, 0)[1]),
                                   np.asarray(calib.calibration_rows(tok, None, 10, 64, 0)[1]))

@@ -181,14 +181,15 @@ def test_user_text_beside_the_bundled_set_calibrates_both_stages(tiny_llama, tmp
     from mlx_dq.data import calib as calib_mod
     from mlx_dq.measure.records import load_measurement
 
+    six = {**CALIB, "rows": 6}  # one row of each bundled file and one of mine.txt
     mine = tmp_path / "mine.txt"
     mine.write_text("Section 4. Redistribution. You may reproduce copies of the Work. " * 60, encoding="utf-8")
     with pytest.raises(ValueError, match="does not exist"):  # a bad second source fails before any work
-        convert(str(tiny_llama), tmp_path / "bad", bpw=4.0, calib=("bundled", str(tmp_path / "nope.txt")), **CALIB)
+        convert(str(tiny_llama), tmp_path / "bad", bpw=4.0, calib=("bundled", str(tmp_path / "nope.txt")), **six)
     assert not (tmp_path / "bad").exists()
     out = tmp_path / "out"
     manifest = convert(str(tiny_llama), out, bpw=4.0, calib=("bundled", str(mine)),
-                       measure_kwargs={"rows": 4, "seq_len": 32}, **CALIB)
+                       measure_kwargs={"rows": 6, "seq_len": 32}, **six)
     digest = calib_mod.text_digest([*calib_mod.default_calibration_texts(), mine.read_text(encoding="utf-8")])
     used = manifest["provenance"]["calibration"]
     assert used["source"] == f"bundled + {mine}" and used["text_digest"] == digest

@@ -205,10 +205,11 @@ def _plain_windows(tok: Any, texts: Sequence[str], n_rows: int, length: int, rng
     return _windows(stream, n_rows, length, rng)
 
 
-def _balanced_windows(tok: Any, texts: Sequence[str], n_rows: int, length: int,
+def _balanced_windows(streams: Sequence[np.ndarray], n_rows: int, length: int,
                       rng: np.random.Generator) -> np.ndarray:
-    """``n_rows`` windows shared evenly between ``texts`` and interleaved (:func:`sample_rows_balanced`)."""
-    streams = [s for s in (tokenize_texts(tok, [t]) for t in texts) if len(s) >= length]
+    """``n_rows`` windows shared evenly between token ``streams`` and interleaved (:func:`sample_rows_balanced`);
+    a stream shorter than one window gets none."""
+    streams = [s for s in streams if len(s) >= length]
     if not streams:
         raise InputError(f"no text has {length} tokens, one row of seq_len={length}")
     capacity = [len(s) // length for s in streams]
@@ -231,28 +232,27 @@ def sample_rows_balanced(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_
     rows so far, so every leading slice of the rows (the measurement's importance rows) spans the texts. Without
     this, one long kind of text fills most rows and the leading rows are all from the first text.
     """
-    return _token_rows(tokenizer, n_rows, seq_len,
-                       lambda tok, length: _balanced_windows(tok, texts, n_rows, length, np.random.default_rng(seed)))
+    def draw(tok: Any, length: int) -> np.ndarray:
+        streams = [tokenize_texts(tok, [t]) for t in texts]
+        return _balanced_windows(streams, n_rows, length, np.random.default_rng(seed))
+
+    return _token_rows(tokenizer, n_rows, seq_len, draw)
 
 
-def sample_rows_mixed(tokenizer: Any, sources: Sequence[tuple[str, Sequence[str], bool]], n_rows: int, seq_len: int,
+def sample_rows_mixed(tokenizer: Any, sources: Sequence[tuple[str, Sequence[str]]], n_rows: int, seq_len: int,
                       seed: int = 0) -> mx.array:
-    """Rows shared evenly between ``sources`` (name, texts, balanced) and interleaved: row ``r`` is from source
-    ``r % len(sources)``, so a user's text beside the bundled set gets its share however short or long either is.
-
-    A balanced source spreads its rows over its texts (:func:`sample_rows_balanced`), another reads its texts as one
-    stream (:func:`sample_rows`); every source must hold one row of tokens.
-    """
+    """Rows shared evenly between ``sources`` (name, texts: each read as one stream) and interleaved, as
+    :func:`sample_rows_balanced` shares them between texts; every source must hold one row of tokens and get one."""
     if n_rows < len(sources):
         raise InputError(f"{len(sources)} calibration sources need at least {len(sources)} rows, got {n_rows}")
 
     def draw(tok: Any, length: int) -> np.ndarray:
-        rng = np.random.default_rng(seed)
-        counts = [len(range(i, n_rows, len(sources))) for i in range(len(sources))]
-        drawn = [iter(_balanced_windows(tok, texts, k, length, rng) if balanced
-                      else _plain_windows(tok, texts, k, length, rng, what=f"calibration text {name}"))
-                 for (name, texts, balanced), k in zip(sources, counts)]
-        return np.stack([next(drawn[r % len(sources)]) for r in range(n_rows)])
+        streams = [tokenize_texts(tok, texts) for _, texts in sources]
+        for (name, _), stream in zip(sources, streams):
+            if len(stream) < length:
+                raise InputError(f"calibration text {name} has {len(stream)} tokens, fewer than one row of "
+                                 f"seq_len={length}")
+        return _balanced_windows(streams, n_rows, length, np.random.default_rng(seed))
 
     return _token_rows(tokenizer, n_rows, seq_len, draw)
 
@@ -304,17 +304,24 @@ def check_calib(calib: CalibSpec) -> None:
 def calibration_rows(tokenizer: Any, calib: CalibSpec, rows: int, seq_len: int,
                      seed: int) -> tuple[list[str], mx.array]:
     """The calibration texts and their sampled token rows: one source (a file/folder, or the bundled text when
-    ``calib`` is None) as before; several (``--calib bundled --calib mine.txt``) share the rows evenly
-    (:func:`sample_rows_mixed`). One place for what measure, convert and quantize_model all do first.
+    ``calib`` is None) as before; several (``--calib bundled --calib mine.txt``) share the rows evenly between
+    the bundled files and each of the user's sources (:func:`sample_rows_mixed`), so a user's text is one kind
+    among the bundled kinds. One place for what measure, convert and quantize_model all do first.
     """
     sources = calib_sources(calib)
-    read = [(BUNDLED, default_calibration_texts(), True) if c is None else (c, load_texts(c), False) for c in sources]
-    texts = [t for _, src, _ in read for t in src]
-    if len(read) > 1:
-        return texts, sample_rows_mixed(tokenizer, read, rows, seq_len, seed)
-    if read[0][2]:  # the bundled set: one text per kind, rows shared evenly between the kinds
+    if sources == (None,):  # the bundled set: one text per kind, rows shared evenly between the kinds
+        texts = default_calibration_texts()
         return texts, sample_rows_balanced(tokenizer, texts, rows, seq_len, seed)
-    return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
+    if len(sources) == 1:
+        texts = load_texts(sources[0])
+        return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
+    named: list[tuple[str, list[str]]] = []
+    for c in sources:
+        if c is None:
+            named += [(f"{BUNDLED} file {k + 1}", [t]) for k, t in enumerate(default_calibration_texts())]
+        else:
+            named.append((c, load_texts(c)))
+    return [t for _, src in named for t in src], sample_rows_mixed(tokenizer, named, rows, seq_len, seed)
 
 
 # -- named evaluation texts: mlx_dq.data.eval_texts ----------------------------------------
