@@ -403,10 +403,13 @@ def test_mixed_rows_share_the_sources_evenly_and_interleave():
 
 def test_mixed_rows_refuse_too_few_rows_and_a_source_shorter_than_a_row():
     sources = [("a", [numbered_text(500)]), ("short.txt", [numbered_text(10)])]
-    with pytest.raises(ValueError, match="2 calibration sources need at least 2 rows, got 1"):
+    with pytest.raises(ValueError, match="2 calibration texts .each bundled file counts as one. need at least 2 rows, got 1"):
         calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=1, seq_len=40)
     with pytest.raises(ValueError, match="calibration text short.txt has 10 tokens, fewer than one row"):
         calib.sample_rows_mixed(WordTokenizer(), sources, n_rows=4, seq_len=40)
+    # a bundled file (no name) too short for a row is left out, as the bundled draw leaves it out
+    rows = np.array(calib.sample_rows_mixed(WordTokenizer(), [(None, [numbered_text(10)]), *sources[:1]], 4, 40))
+    assert rows.min() >= 10
 
 
 def test_calibration_rows_beside_the_bundled_set_give_the_users_text_one_kinds_share(tmp_path):
@@ -429,7 +432,7 @@ def test_calibration_rows_beside_the_bundled_set_give_the_users_text_one_kinds_s
     src = [origin(np.asarray(r)) for r in np.asarray(rows)]
     n = len(texts)  # the bundled files and the user's text, one kind each, in the order given
     assert src[:n] == list(range(n)) and [src.count(k) for k in range(n)] == [2] * n
-    with pytest.raises(ValueError, match=f"{n} calibration sources need at least {n} rows"):
+    with pytest.raises(ValueError, match=f"{n} calibration texts .each bundled file counts as one. need at least {n} rows"):
         calib.calibration_rows(tok, ("bundled", str(mine)), n - 1, 64, 0)
     # one source alone draws as it always did: the bundled set balanced, a user's text as one stream
     np.testing.assert_array_equal(np.asarray(calib.calibration_rows(tok, ("bundled",), 10, 64, 0)[1]),

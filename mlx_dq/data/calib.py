@@ -196,12 +196,11 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
     return _token_rows(tokenizer, n_rows, seq_len, draw)
 
 
-def _plain_windows(tok: Any, texts: Sequence[str], n_rows: int, length: int, rng: np.random.Generator,
-                   what: str = "text") -> np.ndarray:
+def _plain_windows(tok: Any, texts: Sequence[str], n_rows: int, length: int, rng: np.random.Generator) -> np.ndarray:
     """``n_rows`` windows of ``length`` tokens of ``texts`` read as one stream (:func:`_windows`)."""
     stream = tokenize_texts(tok, texts)
     if len(stream) < length:
-        raise InputError(f"{what} has {len(stream)} tokens, fewer than one row of seq_len={length}")
+        raise InputError(f"text has {len(stream)} tokens, fewer than one row of seq_len={length}")
     return _windows(stream, n_rows, length, rng)
 
 
@@ -239,17 +238,19 @@ def sample_rows_balanced(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_
     return _token_rows(tokenizer, n_rows, seq_len, draw)
 
 
-def sample_rows_mixed(tokenizer: Any, sources: Sequence[tuple[str, Sequence[str]]], n_rows: int, seq_len: int,
+def sample_rows_mixed(tokenizer: Any, sources: Sequence[tuple[str | None, Sequence[str]]], n_rows: int, seq_len: int,
                       seed: int = 0) -> mx.array:
     """Rows shared evenly between ``sources`` (name, texts: each read as one stream) and interleaved, as
-    :func:`sample_rows_balanced` shares them between texts; every source must hold one row of tokens and get one."""
+    :func:`sample_rows_balanced` shares them between texts. A named source (the user's) must hold one row of
+    tokens; one named None (a bundled file) shorter than a row is left out, as in the bundled draw."""
     if n_rows < len(sources):
-        raise InputError(f"{len(sources)} calibration sources need at least {len(sources)} rows, got {n_rows}")
+        raise InputError(f"{len(sources)} calibration texts (each bundled file counts as one) need at least "
+                         f"{len(sources)} rows, got {n_rows}")
 
     def draw(tok: Any, length: int) -> np.ndarray:
         streams = [tokenize_texts(tok, texts) for _, texts in sources]
         for (name, _), stream in zip(sources, streams):
-            if len(stream) < length:
+            if name is not None and len(stream) < length:
                 raise InputError(f"calibration text {name} has {len(stream)} tokens, fewer than one row of "
                                  f"seq_len={length}")
         return _balanced_windows(streams, n_rows, length, np.random.default_rng(seed))
@@ -315,10 +316,10 @@ def calibration_rows(tokenizer: Any, calib: CalibSpec, rows: int, seq_len: int,
     if len(sources) == 1:
         texts = load_texts(sources[0])
         return texts, sample_rows(tokenizer, texts, rows, seq_len, seed)
-    named: list[tuple[str, list[str]]] = []
+    named: list[tuple[str | None, list[str]]] = []
     for c in sources:
         if c is None:
-            named += [(f"{BUNDLED} file {k + 1}", [t]) for k, t in enumerate(default_calibration_texts())]
+            named += [(None, [t]) for t in default_calibration_texts()]
         else:
             named.append((c, load_texts(c)))
     return [t for _, src in named for t in src], sample_rows_mixed(tokenizer, named, rows, seq_len, seed)
