@@ -333,11 +333,8 @@ def test_balanced_rows_skip_texts_shorter_than_a_row_and_refuse_when_none_is_lon
         calib.sample_rows_balanced(WordTokenizer(), texts, 3, 600, seed=0)
 
 
-def test_default_calibration_rows_span_every_bundled_file():
-    from fixtures_models import tiny_tokenizer
-
-    tok = tiny_tokenizer()
-    texts, rows = calib.calibration_rows(tok, None, 10, 64, 0)
+def _row_origins(tok, texts: list[str], rows) -> list[int]:
+    """The index of the one text each row is a window of (a row found in two texts fails)."""
     streams = [calib.tokenize_texts(tok, [t]) for t in texts]
 
     def origin(row: np.ndarray) -> int:
@@ -346,7 +343,15 @@ def test_default_calibration_rows_span_every_bundled_file():
         assert len(hits) == 1
         return hits[0]
 
-    src = [origin(np.asarray(r)) for r in np.asarray(rows)]
+    return [origin(np.asarray(r)) for r in np.asarray(rows)]
+
+
+def test_default_calibration_rows_span_every_bundled_file():
+    from fixtures_models import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    texts, rows = calib.calibration_rows(tok, None, 10, 64, 0)
+    src = _row_origins(tok, texts, rows)
     assert sorted(src[: len(texts)]) == list(range(len(texts)))  # the leading rows: one of each file
     assert [src.count(k) for k in range(len(texts))] == [2] * len(texts)
 
@@ -421,15 +426,7 @@ def test_calibration_rows_beside_the_bundled_set_give_the_users_text_one_kinds_s
     texts, rows = calib.calibration_rows(tok, ("bundled", str(mine)), 12, 64, 0)
     bundled = calib.default_calibration_texts()
     assert texts == [*bundled, mine.read_text(encoding="utf-8")]
-    streams = [calib.tokenize_texts(tok, [t]) for t in texts]
-
-    def origin(row: np.ndarray) -> int:
-        hits = [k for k, s in enumerate(streams)
-                if any(np.array_equal(s[i : i + len(row)], row) for i in np.flatnonzero(s == row[0]))]
-        assert len(hits) == 1
-        return hits[0]
-
-    src = [origin(np.asarray(r)) for r in np.asarray(rows)]
+    src = _row_origins(tok, texts, rows)
     n = len(texts)  # the bundled files and the user's text, one kind each, in the order given
     assert src[:n] == list(range(n)) and [src.count(k) for k in range(n)] == [2] * n
     with pytest.raises(ValueError, match=f"{n} calibration texts .each bundled file counts as one. need at least {n} rows"):
