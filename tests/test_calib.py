@@ -373,7 +373,7 @@ def test_calib_sources_name_the_bundled_set_and_refuse_a_repeat(tmp_path, monkey
     assert calib.calib_sources(("bundled", "mine.txt")) == (None, "mine.txt")
     assert calib.calib_label(None) == "default" and calib.calib_label(("bundled",)) == "default"
     assert calib.calib_label(("mine.txt", "bundled")) == "mine.txt + bundled"
-    assert calib.calib_paths(("bundled", "a.txt", "b")) == ["a.txt", "b"]
+    assert calib.calib_inputs(("bundled", "a.txt", "b")) == [("calibration text", "a.txt"), ("calibration text", "b")]
     with pytest.raises(ValueError, match="calibration source given twice: mine.txt"):
         calib.calib_sources(("mine.txt", "bundled", "mine.txt"))
     with pytest.raises(ValueError, match="calibration source given twice: bundled"):

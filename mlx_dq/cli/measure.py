@@ -9,7 +9,7 @@ import click
 
 from mlx_dq.cli.estimate import announce, print_estimate
 from mlx_dq.cli.group import CALIB_HELP, CONTEXT, calib_arg, is_root, source_path
-from mlx_dq.data.calib import calib_paths
+from mlx_dq.data.calib import calib_inputs
 from mlx_dq.errors import MlxDqError
 from mlx_dq.safety import WRITE_RULE
 from mlx_dq.settings import IMPORTANCE_MODES, METHODS, MeasureSettings
@@ -62,8 +62,8 @@ def measure(model_spec: str, calib: tuple[str, ...], rows: int, seq_len: int, se
         return
     t0 = time.perf_counter()
     announce(model_spec, "measure", **cost)
-    inputs = [*(("calibration text", c) for c in calib_paths(calib_spec)), ("grid", grid)]
-    _check_measure_outputs(output, plot_dir, [*inputs, ("model", source_path(model_spec))])
+    _check_measure_outputs(output, plot_dir, [*calib_inputs(calib_spec), ("grid", grid),
+                                              ("model", source_path(model_spec))])
     m = run_measure(model_spec, calib=calib_spec, rows=rows, seq_len=seq_len, seed=seed, grid=grid,
                     out_path=output, resume=not (no_resume or force), importance=importance, clip=clip,
                     method=method, kl_scale=kl_scale, sample_rows=sample_rows)

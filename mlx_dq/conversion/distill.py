@@ -525,7 +525,7 @@ def distill(
     spec = source_spec(folder, source)
     src = resolve(spec)
     guard_output_folder(out, force, [("quantized model", folder), ("source model", src.path),
-                                     *(("calibration text", c) for c in calib_mod.calib_paths(s.calib))])
+                                     *calib_mod.calib_inputs(s.calib)])
     calib_mod.check_calib(s.calib)
     _check_same_model(src.config, q_config, spec)
     with output_lock(out):  # a second run into the same output stops, naming this one

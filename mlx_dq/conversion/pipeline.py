@@ -290,7 +290,7 @@ def _prepare(model: str, out_dir: str | Path, plan: Any, measurement: Any, force
         ("source model", source.path),
         ("measurement", measurement if isinstance(measurement, (str, Path)) else None),
         ("plan", plan if isinstance(plan, (str, Path)) else None),
-        *(("calibration text", c) for c in calib_mod.calib_paths(q.calib)),
+        *calib_mod.calib_inputs(q.calib),
     ])
     calib_mod.check_calib(q.calib)  # a bad calibration file fails now, not after the measurement
     for pat in p.keep:  # a keep pattern that matches nothing fails now, not after the measurement

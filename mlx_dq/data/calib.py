@@ -191,17 +191,12 @@ def sample_rows(tokenizer: Any, texts: Sequence[str], n_rows: int, seq_len: int,
     starts with it followed by ``seq_len - 1`` tokens of text, as the model saw in training.
     """
     def draw(tok: Any, length: int) -> np.ndarray:
-        return _plain_windows(tok, texts, n_rows, length, np.random.default_rng(seed))
+        stream = tokenize_texts(tok, texts)
+        if len(stream) < length:
+            raise InputError(f"text has {len(stream)} tokens, fewer than one row of seq_len={length}")
+        return _windows(stream, n_rows, length, np.random.default_rng(seed))
 
     return _token_rows(tokenizer, n_rows, seq_len, draw)
-
-
-def _plain_windows(tok: Any, texts: Sequence[str], n_rows: int, length: int, rng: np.random.Generator) -> np.ndarray:
-    """``n_rows`` windows of ``length`` tokens of ``texts`` read as one stream (:func:`_windows`)."""
-    stream = tokenize_texts(tok, texts)
-    if len(stream) < length:
-        raise InputError(f"text has {len(stream)} tokens, fewer than one row of seq_len={length}")
-    return _windows(stream, n_rows, length, rng)
 
 
 def _balanced_windows(streams: Sequence[np.ndarray], n_rows: int, length: int,
@@ -291,14 +286,15 @@ def calib_label(calib: CalibSpec) -> str:
     return "default" if sources == (None,) else " + ".join(BUNDLED if c is None else c for c in sources)
 
 
-def calib_paths(calib: CalibSpec) -> list[str]:
-    """The user's files and folders among ``calib``'s sources (what an output folder must never touch)."""
-    return [c for c in calib_sources(calib) if c is not None]
+def calib_inputs(calib: CalibSpec) -> list[tuple[str, str]]:
+    """``("calibration text", path)`` for each user file or folder among ``calib``'s sources: the inputs an output
+    folder must never touch, as :func:`mlx_dq.safety.guard_output_folder` takes them."""
+    return [("calibration text", c) for c in calib_sources(calib) if c is not None]
 
 
 def check_calib(calib: CalibSpec) -> None:
     """Read every user source of ``calib`` now, so a bad file fails before any long work (InputError)."""
-    for path in calib_paths(calib):
+    for _, path in calib_inputs(calib):
         load_texts(path)
 
 
