@@ -4,9 +4,11 @@ Sources and licences:
 
 - Default calibration text: the ``calib_*.txt`` files in ``mlx_dq/data/``,
   written for this project and released with it under its MIT licence
-  (about 100 KB). They mix prose, documents (guides, FAQ, email, minutes,
-  recipes, news), source code in a dozen languages, worked math, chat dialogue,
-  lists and tables, logs and configuration, and text in twenty languages.
+  (about 140 KB). They mix prose, documents (guides, FAQ, email, minutes,
+  recipes, news; contracts, policies, bylaws and a judgment in formal legal
+  register), source code in a dozen languages, worked math, chat dialogue,
+  lists and tables, logs and configuration, and text in twenty languages
+  (with encyclopaedic articles in seven European languages).
   ``calib_generated.txt`` is composed deterministically by
   ``mlx_dq/data/compose_calibration.py`` from templates and word lists in
   that script; the other files are hand-written.
