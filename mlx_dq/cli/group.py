@@ -92,7 +92,7 @@ def source_path(model_spec: str | None) -> Any:
 
 CALIB_HELP = ("Calibration .txt/.jsonl file or folder [default: the bundled calibration text]. Repeat to mix: "
               "'--calib bundled --calib mine.txt' adds your text as one more kind beside the bundled files "
-              "(rows shared evenly between the five files and each text given).")
+              "(rows shared evenly between the bundled files and each text given).")
 
 
 def calib_arg(values: tuple[str, ...]) -> str | tuple[str, ...] | None:
