@@ -18,7 +18,8 @@ from mlx_dq.errors import InputError
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = sorted(ev.EVAL_TEXTS)
 PIP_NAMES = sorted(n for n, (_, _, install) in ev.EVAL_TEXTS.items() if install and not install.startswith("apt:"))
-CUT_TEXTS = ("code", "legal", "math", "german_french", "russian_chinese", "code_other")  # cut by _documents into about DOC_CHARS characters each
+# cut by _documents into about DOC_CHARS characters each
+CUT_TEXTS = ("code", "legal", "math", "german_french", "russian_chinese", "code_other")
 PASSAGE = 200
 
 
@@ -103,9 +104,10 @@ def test_texts_are_different_kinds():
     assert "\\frac" in joined["math"] and ".. math" in joined["math"]
     assert ">>>" not in joined["math"]  # doctest examples (mostly digits) are left out
     assert " die " in joined["german_french"] and " les " in joined["german_french"]
-    assert re.search("[а-я]{6}", joined["russian_chinese"]) and re.search("[\u4e00-\u9fff]{6}", joined["russian_chinese"])
+    assert re.search("[а-я]{6}", joined["russian_chinese"])  # Cyrillic words
+    assert re.search("[\u4e00-\u9fff]{6}", joined["russian_chinese"])  # runs of CJK ideographs
     assert "fn main()" in joined["code_other"] and "func main()" in joined["code_other"]
-    assert "#include <" in joined["code_other"] and "std::" in joined["code_other"] and "interface " in joined["code_other"]
+    assert all(s in joined["code_other"] for s in ("#include <", "std::", "interface "))
     assert len({calib.text_digest(texts(n)) for n in NAMES}) == len(NAMES)
 
 

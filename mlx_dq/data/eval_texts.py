@@ -58,7 +58,7 @@ EVAL_TEXTS: dict[str, tuple[str, str, str | None]] = {
              "mpmath's documentation strings, doctest examples left out (BSD-3-Clause)", "mpmath"),
     "german_french": ("German and French expository prose (science, medicine, arts, mythology, professions)",
                       "dataset-build's deu and fra texts, written by Gemini 2.5 Pro (BSD-2-Clause)", "dataset-build"),
-    "russian_chinese": ("Russian and Chinese expository prose (science, history, arts, everyday life)",
+    "russian_chinese": ("Russian and Chinese expository prose (about ten topics each, science and technology first)",
                         "dataset-build's rus and zho texts (BSD-2-Clause)", "dataset-build"),
     "code_other": ("source code in C++, Go, Java, Rust and TypeScript (one commented tour of each language)",
                    "dataset-build's coding texts (BSD-2-Clause)", "dataset-build"),
