@@ -33,6 +33,7 @@ calibration text is left out (:func:`drop_calibration_overlap`), so evaluation n
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import re
 import sysconfig
@@ -71,6 +72,12 @@ CODE_MODULES = ("bisect", "calendar", "csv", "dataclasses", "difflib", "fraction
                 "heapq", "json.decoder", "json.encoder", "queue", "random", "sched", "shlex", "statistics",
                 "string", "textwrap")
 MATH_FOLDERS = ("calculus", "functions", "matrices")  # mpmath subpackages whose docstrings join function_docs.py's
+# Texts read from dataset-build: name -> its files (under the package's ``data`` folder), in order.
+DATASET_BUILD_FILES: dict[str, tuple[str, ...]] = {
+    "german_french": ("deu/deu.txt", "fra/fra.txt"),
+    "russian_chinese": ("rus/rus.txt", "zho/zho.txt"),
+    "code_other": tuple(f"coding/{lang}/{lang}.txt" for lang in ("c++", "go", "java", "rust", "typescript")),
+}
 
 _find_spec = importlib.util.find_spec  # a module's spec without importing it (tests replace it)
 
@@ -233,31 +240,16 @@ def _math_texts() -> list[str]:
     return _documents("\n\n".join(parts))
 
 
-CODE_LANGUAGES = ("c++", "go", "java", "rust", "typescript")  # dataset-build's coding folders of ``code_other``
-
-
-def _dataset_build_texts(name: str, files: Sequence[str]) -> list[str]:
-    """dataset-build's data files ``files`` (paths under its ``data`` folder), in that order, cut into documents."""
+def _dataset_build_texts(name: str) -> list[str]:
+    """Text ``name``'s dataset-build files (:data:`DATASET_BUILD_FILES`), in that order, cut into documents."""
     data = _package_dir("dataset_build", name) / "data"
     texts = []
-    for relative in files:
+    for relative in DATASET_BUILD_FILES[name]:
         path = data / relative
         if not path.is_file():
             raise _not_installed(name, f"has no {relative} text (another version?); reinstall it")
         texts.extend(_documents(path.read_text(encoding="utf-8")))
     return texts
-
-
-def _german_french_texts() -> list[str]:
-    return _dataset_build_texts("german_french", ["deu/deu.txt", "fra/fra.txt"])
-
-
-def _russian_chinese_texts() -> list[str]:
-    return _dataset_build_texts("russian_chinese", ["rus/rus.txt", "zho/zho.txt"])
-
-
-def _code_other_texts() -> list[str]:
-    return _dataset_build_texts("code_other", [f"coding/{lang}/{lang}.txt" for lang in CODE_LANGUAGES])
 
 
 OVERLAP_WINDOW = 32  # characters: a document sharing this long a passage with the calibration text is dropped
@@ -280,9 +272,7 @@ _LOADERS: dict[str, Callable[[], list[str]]] = {
     "code": _code_texts,
     "legal": _legal_texts,
     "math": _math_texts,
-    "german_french": _german_french_texts,
-    "russian_chinese": _russian_chinese_texts,
-    "code_other": _code_other_texts,
+    **{name: functools.partial(_dataset_build_texts, name) for name in DATASET_BUILD_FILES},
 }
 
 
