@@ -15,7 +15,12 @@ from click.testing import CliRunner
 import mlx_dq
 from mlx_dq.cli import main
 from mlx_dq.conversion.pipeline import convert, quantize_model
-from mlx_dq.conversion.resolve import planned_row_splits, row_splits, with_row_splits
+from mlx_dq.conversion.resolve import (
+    cold_rows_notes,
+    planned_row_splits,
+    row_splits,
+    with_row_splits,
+)
 from mlx_dq.evaluation import metrics as evaluate
 from mlx_dq.layers.rowsplit import RowSplitEmbedding
 from mlx_dq.plan.plan import Plan, PlanEntry
@@ -162,6 +167,17 @@ def test_row_splits_need_a_budget_table_with_room_to_step_up():
     assert row_splits(_plan("1.0:3b_64g"), {"embed": HotRows(np.array([], dtype=int), 0)}) == {}
 
 
+def test_cold_rows_notes_name_a_lookup_table_planned_below_3_5_bpw():
+    """Rows outside the frequent ones below mlx-lm's 3-bit g64 get one line saying how many and what to do."""
+    p = _plan("1.0:2b_64g")
+    p.settings = {"row_split": {"embed": {"option": "1.0:4b_64g", "rows": 40, "extra_bits": 1}}}
+    (note,) = cold_rows_notes(p, {"embed": 1000})
+    assert note.startswith("embed: 960 of its 1,000 rows") and "2.50 bpw (1.0:2b_64g)" in note and "--calib" in note
+    assert len(cold_rows_notes(_plan("1.0:2b_64g"), {"embed": 1000})) == 1  # no frequent rows: every row
+    assert cold_rows_notes(_plan("1.0:3b_64g"), {"embed": 1000}) == []  # 3.5 bpw
+    assert cold_rows_notes(_plan("1.0:2b_64g"), {}) == []  # not a lookup table
+
+
 def test_splits_that_do_not_fit_are_left_out_with_a_note():
     p, notes = _plan("1.0:3b_64g"), []
 
@@ -215,6 +231,9 @@ def test_convert_plans_writes_and_loads_frequent_rows_within_the_target(tiny_qwe
     assert mods["model.embed_tokens.hot"]["option"] == split["option"] == stepped_up(
         QuantOption.parse(mods["model.embed_tokens.cold"]["option"])).desc
     assert manifest["tied"] == {"lm_head": "model.embed_tokens"}
+    cold = QuantOption.parse(mods["model.embed_tokens.cold"]["option"])  # a note only for cold rows below 3.5 bpw
+    notes = [n for n in manifest["provenance"]["checks"] if n.startswith("model.embed_tokens: ")]
+    assert len(notes) == (cold.nominal_bpw() < 3.5)
     acc = manifest["accounting"]
     assert acc["average_bits"] <= 2.7 and acc["predicted_bytes"] == acc["array_bytes"]
     assert plan["achieved_bpw"] == pytest.approx(acc["average_bits"])

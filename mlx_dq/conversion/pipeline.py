@@ -35,6 +35,8 @@ from mlx_dq.conversion.card import source_metadata, write_card
 from mlx_dq.conversion.resolve import (
     InputChecks,
     available_hot_rows,
+    cold_rows_notes,
+    embedding_tables,
     model_shapes,
     plan_from_options,
     planned_row_splits,
@@ -207,6 +209,7 @@ def convert(
                 notes=job.notes, hot_rows=_hot_rows(job, text_ids),
             )
         job.plan = dist.broadcast(job.plan)  # rank 0's plan is the one every rank applies
+        job.notes += cold_rows_notes(job.plan, embedding_tables(job.source.config))
         options_ = {e.key: QuantOption.parse(e.option) for e in job.plan.tensors}
         unplanned = sorted(k for k in model_shapes(job.source.config) if k not in options_)
         if unplanned and not isinstance(plan, dict):

@@ -127,6 +127,26 @@ def row_splits(p: Plan, hot_rows: dict[str, HotRows], m: Measurement | None = No
     return out
 
 
+COLD_ROWS_NOTE_BPW = 3.5  # a lookup table's rows below this (mlx-lm's 3-bit g64) get a note at conversion
+
+
+def cold_rows_notes(p: Plan, tables: dict[str, int]) -> list[str]:
+    """A line for each lookup table whose rows outside the frequent-token ones are planned below
+    :data:`COLD_ROWS_NOTE_BPW`: text that uses other tokens (another language or script) loses more than
+    the calibration text measured, and the user should know how to avoid it."""
+    out = []
+    for e in p.tensors:
+        opt = QuantOption.parse(e.option) if e.key in tables else None
+        if opt is None or opt.nominal_bpw() >= COLD_ROWS_NOTE_BPW:
+            continue
+        hot = int((p.settings.get("row_split") or {}).get(e.key, {}).get("rows", 0))
+        out.append(f"{e.key}: {tables[e.key] - hot:,} of its {tables[e.key]:,} rows (tokens the calibration text "
+                   f"uses little or not at all) are stored at {opt.nominal_bpw():.2f} bpw ({e.option}); text in "
+                   "another language or script will lose more than measured: add such text with '--calib bundled "
+                   "--calib FILE', or raise --bpw")
+    return out
+
+
 def _damage_at(rec: Any, option: QuantOption, err_power: float = 2.0) -> float:
     """The damage the optimizer sees for ``option`` of tensor record ``rec``; an option not measured: the measured
     one of most bits up to its bits (a lower damage estimate for the planned option, a higher one for finer)."""
