@@ -139,11 +139,12 @@ def cold_rows_notes(p: Plan, tables: dict[str, int]) -> list[str]:
         opt = QuantOption.parse(e.option) if e.key in tables else None
         if opt is None or opt.nominal_bpw() >= COLD_ROWS_NOTE_BPW:
             continue
-        hot = int((p.settings.get("row_split") or {}).get(e.key, {}).get("rows", 0))
-        out.append(f"{e.key}: {tables[e.key] - hot:,} of its {tables[e.key]:,} rows (tokens the calibration text "
-                   f"uses little or not at all) are stored at {opt.nominal_bpw():.2f} bpw ({e.option}); text in "
-                   "another language or script will lose more than measured: add such text with '--calib bundled "
-                   "--calib FILE', or raise --bpw")
+        rows, hot = tables[e.key], int((p.settings.get("row_split") or {}).get(e.key, {}).get("rows", 0))
+        which = f"{rows - hot:,} of its {rows:,} rows (all but the {hot:,} frequent tokens')" if hot else \
+            f"all {rows:,} rows"
+        out.append(f"{e.key}: {which} are stored at {opt.nominal_bpw():.2f} bpw ({e.option}); text in another "
+                   "language or script will lose more than measured: add such text with '--calib bundled --calib "
+                   "FILE', or raise --bpw")
     return out
 
 
