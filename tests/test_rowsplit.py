@@ -171,13 +171,13 @@ def test_cold_rows_notes_name_a_lookup_table_planned_below_3_5_bpw():
     """Rows outside the frequent ones below mlx-lm's 3-bit g64 get one line saying how many and what to do."""
     p = _plan("1.0:2b_64g")
     p.settings = {"row_split": {"embed": {"option": "1.0:4b_64g", "rows": 40, "extra_bits": 1}}}
-    (note,) = cold_rows_notes(p, {"embed": 1000})
+    (note,) = cold_rows_notes(p, {"embed"})
     assert note.startswith("embed: 960 of its 1,000 rows (all but the 40 frequent tokens')")
     assert "2.50 bpw (1.0:2b_64g)" in note and "--calib" in note
-    (note,) = cold_rows_notes(_plan("1.0:2b_64g"), {"embed": 1000})  # no frequent rows: every row
+    (note,) = cold_rows_notes(_plan("1.0:2b_64g"), {"embed"})  # no frequent rows: every row
     assert note.startswith("embed: all 1,000 rows are stored at 2.50 bpw")
-    assert cold_rows_notes(_plan("1.0:3b_64g"), {"embed": 1000}) == []  # 3.5 bpw
-    assert cold_rows_notes(_plan("1.0:2b_64g"), {}) == []  # not a lookup table
+    assert cold_rows_notes(_plan("1.0:3b_64g"), {"embed"}) == []  # 3.5 bpw
+    assert cold_rows_notes(_plan("1.0:2b_64g"), set()) == []  # not a lookup table
 
 
 def test_splits_that_do_not_fit_are_left_out_with_a_note():

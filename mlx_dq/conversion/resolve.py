@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from mlx_dq.errors import InputError
 from mlx_dq.formats import load_plan_any
@@ -130,16 +130,16 @@ def row_splits(p: Plan, hot_rows: dict[str, HotRows], m: Measurement | None = No
 COLD_ROWS_NOTE_BPW = 3.5  # a lookup table's rows below this (mlx-lm's 3-bit g64) get a note at conversion
 
 
-def cold_rows_notes(p: Plan, tables: dict[str, int]) -> list[str]:
-    """A line for each lookup table whose rows outside the frequent-token ones are planned below
-    :data:`COLD_ROWS_NOTE_BPW`: text that uses other tokens (another language or script) loses more than
+def cold_rows_notes(p: Plan, tables: Collection[str]) -> list[str]:
+    """A line for each lookup table (path in ``tables``) whose rows outside the frequent-token ones are planned
+    below :data:`COLD_ROWS_NOTE_BPW`: text that uses other tokens (another language or script) loses more than
     the calibration text measured, and the user should know how to avoid it."""
     out = []
     for e in p.tensors:
         opt = QuantOption.parse(e.option) if e.key in tables else None
         if opt is None or opt.nominal_bpw() >= COLD_ROWS_NOTE_BPW:
             continue
-        rows, hot = tables[e.key], int((p.settings.get("row_split") or {}).get(e.key, {}).get("rows", 0))
+        rows, hot = int(e.shape[0]), int((p.settings.get("row_split") or {}).get(e.key, {}).get("rows", 0))
         which = f"{rows - hot:,} of its {rows:,} rows (all but the {hot:,} frequent tokens')" if hot else \
             f"all {rows:,} rows"
         out.append(f"{e.key}: {which} are stored at {opt.nominal_bpw():.2f} bpw ({e.option}); text in another "
