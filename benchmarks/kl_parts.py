@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -78,15 +79,12 @@ def main() -> None:
     def score(label: str, weights: list[tuple[str, mx.array]], head: mx.array | None = None) -> None:
         """The KL with ``weights`` in the source (and a tied head reading ``head``); the source is restored after."""
         src.load_weights(weights, strict=False)
-        if head is not None:
-            object.__setattr__(_embedding(src), "as_linear", lambda x: x @ head.T)
         try:
-            t0 = time.perf_counter()
-            r = evaluate.kl_divergence(ref, src, rows)
+            with tied_head_reading(src, head):
+                t0 = time.perf_counter()
+                r = evaluate.kl_divergence(ref, src, rows)
         finally:
             src.load_weights([(k, source_weights[k]) for k, _ in weights], strict=False)
-            if head is not None:
-                object.__delattr__(_embedding(src), "as_linear")
         print(f"{label:40s} {len(weights):7d} {r['kl']:8.4f} {r['top1']:7.4f}   ({time.perf_counter() - t0:.0f} s)",
               flush=True)
 
@@ -96,6 +94,20 @@ def main() -> None:
     if embed is not None and embed in quantized and not any(k.endswith("lm_head.weight") for k in names):  # tied
         score("tied embedding: lookup side only", [(embed, quantized[embed])], head=source_weights[embed])
         score("tied embedding: head side only", [], head=quantized[embed])
+
+
+@contextmanager
+def tied_head_reading(model, head: mx.array | None) -> Iterator[None]:
+    """Inside, a tied embedding's head side reads ``head`` while its lookup side keeps its own weight (None:
+    unchanged)."""
+    if head is None:
+        yield
+        return
+    object.__setattr__(_embedding(model), "as_linear", lambda x: x @ head.T)
+    try:
+        yield
+    finally:
+        object.__delattr__(_embedding(model), "as_linear")
 
 
 def _embedding(model):
