@@ -3,8 +3,8 @@
 Why: on a model whose tied table is most of its weights, every bit the table gets is taken from the decoder. This
 converts the model once per table option (``--head-option``, outside the budget), with the decoder's budget set so
 that the whole model lands on ``--bpw`` (from the measurement's tensor sizes), and evaluates each conversion as
-``mlx_dq eval`` does. The lowest KL of a text over the table options bounds what any plan of one table option
-reaches there. Prints a tab-separated table, one line per table option.
+``mlx_dq eval`` does. The lowest KL of a text over the table options is the best a plan with one table option
+(and the decoder planned as usual) reaches there. Prints a tab-separated table, one line per table option.
 
     python benchmarks/table_frontier.py --model gemma3-270m --measurement MEAS --bpw 3.5 \
         --table-options 1.0:3b_128g,1.0:3b_64g,0.25:4b_64g/0.75:3b_64g --texts russian_chinese,german_french
@@ -62,17 +62,18 @@ def main() -> None:
         rows = sample_rows(tok, resolve_eval_texts(name)[0], args.rows, args.seq_len, seed=args.seed)
         refs[name] = (rows, reference(src, rows))
     del src
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="table_frontier-"))
     print("table option", "decoder bpw", "whole bpw", *names, sep="\t", flush=True)
-    for opt in args.table_options.split(","):
-        dec = decoder_bpw(meas, opt, args.bpw)
-        out = work / opt.replace(":", "_").replace("/", "+")
-        convert(args.model, out, measurement=args.measurement, head_option=opt, bpw=round(dec, 4), progress=False,
-                force=True)
-        q = load_for_eval(str(out))[0]
-        res = [evaluate_model(q, rows, base=ref) for rows, ref in refs.values()]
-        print(opt, f"{dec:.4f}", f"{res[0]['bits_per_weight']:.4f}", *(f"{r['kl']:.4f}" for r in res), sep="\t",
-              flush=True)
+    with tempfile.TemporaryDirectory(prefix="table_frontier-") as scratch:  # conversions not kept: gone at the end
+        work = Path(args.keep or scratch)
+        for opt in args.table_options.split(","):
+            dec = decoder_bpw(meas, opt, args.bpw)
+            out = work / opt.replace(":", "_").replace("/", "+")
+            convert(args.model, out, measurement=args.measurement, head_option=opt, bpw=round(dec, 4),
+                    progress=False, force=True)
+            q = load_for_eval(str(out))[0]
+            res = [evaluate_model(q, rows, base=ref) for rows, ref in refs.values()]
+            print(opt, f"{dec:.4f}", f"{res[0]['bits_per_weight']:.4f}", *(f"{r['kl']:.4f}" for r in res),
+                  sep="\t", flush=True)
 
 
 if __name__ == "__main__":

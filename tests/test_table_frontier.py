@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,17 @@ def test_one_line_per_table_option(tiny_qwen2, tiny_measurement, tmp_path, monke
     for dec, whole, kl in rows.values():
         assert 3.5 < whole <= 4.0 + 1e-3 and math.isfinite(kl) and kl > 0
     assert sorted(p.name for p in (tmp_path / "conversions").iterdir()) == ["1.0_3b_64g", "1.0_4b_64g"]
+
+
+def test_conversions_not_kept_are_removed(tiny_qwen2, tiny_measurement, tmp_path, monkeypatch, capsys):
+    text = tmp_path / "eval.txt"
+    text.write_text(" ".join(f"word{i % 37} and more text {i}." for i in range(400)))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(sys, "argv", [
+        "table_frontier.py", "--model", str(tiny_qwen2), "--measurement", str(tiny_measurement), "--bpw", "4.0",
+        "--table-options", "1.0:4b_64g", "--texts", str(text), "--rows", "2", "--seq-len", "24"])
+    _module().main()
+    assert capsys.readouterr().out.splitlines()[1].startswith("1.0:4b_64g\t")
+    assert list(scratch.iterdir()) == []
