@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_dq.conversion.pipeline import convert
 from mlx_dq.data.calib import resolve_eval_texts, sample_rows
 from mlx_dq.data.eval_texts import EVAL_TEXTS
+from mlx_dq.errors import MlxDqError
 from mlx_dq.evaluation.metrics import evaluate_model, load_for_eval, reference
 from mlx_dq.measure.records import load_measurement
 from mlx_dq.model.sources import load_model
@@ -54,7 +55,11 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="keep the conversions in this folder (default: a temporary one)")
     args = ap.parse_args()
 
-    meas = load_measurement(args.measurement)
+    try:  # a bad measurement, or an option the table can't take: one line, before any work
+        meas = load_measurement(args.measurement)
+        budgets = {opt: decoder_bpw(meas, opt, args.bpw) for opt in args.table_options.split(",")}
+    except MlxDqError as e:
+        raise SystemExit(f"error: {e}") from None
     src, tok, _ = load_model(args.model, dtype=mx.float32)
     names = args.texts.split(",")
     refs = {}
@@ -65,8 +70,7 @@ def main() -> None:
     print("table option", "decoder bpw", "whole bpw", *names, sep="\t", flush=True)
     with tempfile.TemporaryDirectory(prefix="table_frontier-") as scratch:  # conversions not kept: gone at the end
         work = Path(args.keep or scratch)
-        for opt in args.table_options.split(","):
-            dec = decoder_bpw(meas, opt, args.bpw)
+        for opt, dec in budgets.items():
             out = work / opt.replace(":", "_").replace("/", "+")
             convert(args.model, out, measurement=args.measurement, head_option=opt, bpw=round(dec, 4),
                     progress=False, force=True)

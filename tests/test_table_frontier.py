@@ -75,3 +75,13 @@ def test_conversions_not_kept_are_removed(tiny_qwen2, tiny_measurement, tmp_path
     _module().main()
     assert capsys.readouterr().out.splitlines()[1].startswith("1.0:4b_64g\t")
     assert list(scratch.iterdir()) == []
+
+
+def test_an_option_the_table_cannot_take_stops_before_any_work(tiny_measurement, monkeypatch, capsys):
+    """The tiny table's 128 input features hold no group of 256: one line, nothing converted."""
+    monkeypatch.setattr(sys, "argv", ["table_frontier.py", "--model", "no-such-model", "--measurement",
+                                      str(tiny_measurement), "--table-options", "1.0:3b_64g,1.0:4b_256g"])
+    with pytest.raises(SystemExit) as e:
+        _module().main()
+    assert str(e.value).startswith("error: ") and "256" in str(e.value) and "\n" not in str(e.value)
+    assert capsys.readouterr().out == ""
