@@ -72,8 +72,12 @@ def main() -> None:
         work = Path(args.keep or scratch)
         for opt, dec in budgets.items():
             out = work / opt.replace(":", "_").replace("/", "+")
-            convert(args.model, out, measurement=args.measurement, head_option=opt, bpw=round(dec, 4),
-                    progress=False, force=True)
+            try:
+                convert(args.model, out, measurement=args.measurement, head_option=opt, bpw=round(dec, 4),
+                        progress=False, force=True)
+            except MlxDqError as e:  # e.g. a decoder budget below its cheapest options: this line, then the next
+                print(opt, f"{dec:.4f}", "-", *("-" for _ in names), f"({e})", sep="\t", flush=True)
+                continue
             q = load_for_eval(str(out))[0]
             res = [evaluate_model(q, rows, base=ref) for rows, ref in refs.values()]
             print(opt, f"{dec:.4f}", f"{res[0]['bits_per_weight']:.4f}", *(f"{r['kl']:.4f}" for r in res),

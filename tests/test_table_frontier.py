@@ -85,3 +85,19 @@ def test_an_option_the_table_cannot_take_stops_before_any_work(tiny_measurement,
         _module().main()
     assert str(e.value).startswith("error: ") and "256" in str(e.value) and "\n" not in str(e.value)
     assert capsys.readouterr().out == ""
+
+
+def test_a_decoder_budget_out_of_reach_is_a_line_not_a_crash(tiny_qwen2, tiny_measurement, tmp_path, monkeypatch,
+                                                            capsys):
+    """An 8-bit table at 2.6 bpw leaves the decoder below its cheapest option (2.5 bpw): that option's line says
+    so, and the next option is still converted."""
+    text = tmp_path / "eval.txt"
+    text.write_text(" ".join(f"word{i % 37} and more text {i}." for i in range(400)))
+    monkeypatch.setattr(sys, "argv", [
+        "table_frontier.py", "--model", str(tiny_qwen2), "--measurement", str(tiny_measurement), "--bpw", "2.6",
+        "--table-options", "1.0:8b_64g,1.0:2b_64g", "--texts", str(text), "--rows", "2", "--seq-len", "24"])
+    _module().main()
+    lines = capsys.readouterr().out.splitlines()[1:]
+    first, second = (ln.split("\t") for ln in lines)
+    assert first[0] == "1.0:8b_64g" and float(first[1]) < 2.5 and first[2:4] == ["-", "-"] and first[4]
+    assert second[0] == "1.0:2b_64g" and float(second[3]) > 0
