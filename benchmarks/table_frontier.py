@@ -31,13 +31,11 @@ from mlx_dq.quant.options import QuantOption
 
 def decoder_bpw(measurement, table_option: str, target: float) -> float:
     """The decoder's bits per weight that puts the whole model at ``target`` with the table at ``table_option``."""
-    recs = list(measurement.tensors.values())
-    tables = [r for r in recs if in_head_scope(r.role, r.key, measurement.tied)]
-    rest = [r for r in recs if not in_head_scope(r.role, r.key, measurement.tied)]
+    tables = [r for r in measurement.tensors.values() if in_head_scope(r.role, r.key, measurement.tied)]
     opt = QuantOption.parse(table_option)
     table_bits = sum(opt.storage_bits(tuple(r.shape)) for r in tables)
-    n_rest = sum(r.numel for r in rest)
-    n_all = n_rest + sum(r.numel for r in tables)
+    n_all = measurement.numel()
+    n_rest = n_all - measurement.numel(r.key for r in tables)
     return (target * n_all - table_bits) / n_rest
 
 

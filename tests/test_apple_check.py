@@ -3,7 +3,6 @@ correctness checks fail when a forward path is wrong; its results file keeps oth
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from script_loader import load_script
 
 from mlx_dq.layers import kernels
 
@@ -19,10 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "apple_check.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("apple_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "apple_check")
 
 
 @pytest.mark.skipif(kernels.metal_active(), reason="checks the mode for machines without Apple silicon")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from script_loader import load_script
 
 from mlx_dq.data import calib
 
@@ -198,9 +198,7 @@ def test_text_digest_tells_texts_apart():
 
 def test_generated_calibration_file_matches_its_composer():
     data = Path(calib.__file__).parent
-    spec = importlib.util.spec_from_file_location("compose_calibration", data / "compose_calibration.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(data / "compose_calibration.py", "compose_calibration")
     assert module.compose() == (data / "calib_generated.txt").read_text(encoding="utf-8")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import baselines
 import mlx.core as mx
 import mlx.nn as nn
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 from fixtures_models import make_tiny_model_folder
 from mlx.utils import tree_flatten
+from script_loader import load_script
 
 from mlx_dq.evaluation import metrics as evaluate
 from mlx_dq.model.sources import load_model
@@ -85,17 +88,8 @@ def test_dwq_step_count_and_bad_settings(tied_llama):
 
 @pytest.fixture(scope="module")
 def quality():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("quality_dwq", Path(__file__).resolve().parents[1] / "benchmarks"
-                                                  / "quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield load_script("benchmarks/quality.py", "quality_dwq")
+    sys.modules.pop("quality_dwq", None)
 
 
 def test_quality_lists_the_dwq_row_and_counts_it_in_the_4_bpw_goal(quality, tied_llama, tmp_path):

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from mlx_dq.conversion.pipeline import convert
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _module():
-    spec = importlib.util.spec_from_file_location("kl_parts", ROOT / "benchmarks" / "kl_parts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/kl_parts.py", "kl_parts")
 
 
 def test_parts_cover_every_layer_once():

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ["text", "family", "method", "bpw", "kl"]
@@ -18,10 +18,7 @@ FIELDS = ["text", "family", "method", "bpw", "kl"]
 def oos():
     """The report module, with quality.py importable under the name it uses."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("out_of_sample", ROOT / "benchmarks" / "out_of_sample.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/out_of_sample.py", "out_of_sample")
 
 
 def _write(folder: Path, rows: list[tuple]) -> Path:

@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-ROOT = Path(__file__).resolve().parents[1]
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality_benchmark", ROOT / "benchmarks" / "quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    yield load_script("benchmarks/quality.py", "quality_benchmark")
+    sys.modules.pop("quality_benchmark", None)
 
 
 def _row(text, family, method, bpw, kl):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -10,18 +9,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from mlx_dq.measure.records import load_measurement
 from mlx_dq.measure.stream import measure
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _module():
-    spec = importlib.util.spec_from_file_location("table_frontier", ROOT / "benchmarks" / "table_frontier.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/table_frontier.py", "table_frontier")
 
 
 @pytest.fixture(scope="module")
